@@ -1,0 +1,154 @@
+/// \file triattn/core/compaction.hpp
+/// \brief Keep plans and in-place compaction of K, V, positions and per-slot policy state.
+///
+/// Compaction is a forward gather: slot keep[i] moves to slot i. Because keep indices are
+/// strictly ascending, keep[i] >= i, so no row is overwritten before it has been read and no
+/// scratch buffer is needed. Everything is validated before the first byte moves: a plan that
+/// fails validation leaves the cache untouched.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "triattn/core/config.hpp"
+#include "triattn/core/error.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// Keep indices for every (layer, kv_head) of one sequence, stored as CSR: row
+/// r = layer * num_kv_heads + kv_head holds `indices[offsets[r] .. offsets[r + 1])`,
+/// ascending. Granularity (one set shared by all layers, one per kv_head, one per
+/// (layer, kv_head)) is a property of how the plan was filled, not of its type.
+struct keep_plan {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  std::vector<std::int64_t> offsets{0};  // [num_layers * num_kv_heads + 1]
+  std::vector<std::int32_t> indices;
+
+  keep_plan() = default;
+  keep_plan(int layers, int kv_heads) : num_layers(layers), num_kv_heads(kv_heads) {
+    offsets.reserve(static_cast<std::size_t>(layers) * kv_heads + 1);
+  }
+
+  /// Appends the next row, in (layer, kv_head) order.
+  void push_row(std::span<const std::int32_t> keep) {
+    indices.insert(indices.end(), keep.begin(), keep.end());
+    offsets.push_back(static_cast<std::int64_t>(indices.size()));
+  }
+  /// The keep indices of (layer, kv_head).
+  std::span<const std::int32_t> row(int l, int h) const {
+    const auto r = static_cast<std::size_t>(l) * num_kv_heads + h;
+    return {indices.data() + offsets[r], static_cast<std::size_t>(offsets[r + 1] - offsets[r])};
+  }
+  /// Number of rows pushed so far.
+  std::size_t rows() const { return offsets.size() - 1; }
+
+  /// The same keep set for every (layer, kv_head).
+  static keep_plan shared(int layers, int kv_heads, std::span<const std::int32_t> keep) {
+    keep_plan p(layers, kv_heads);
+    for (int r = 0; r < layers * kv_heads; ++r) p.push_row(keep);
+    return p;
+  }
+};
+
+/// Per-slot state that must move with the cache (H2O accumulators, cached value norms, ...).
+/// Element (layer, row, slot) lives at
+/// `data + (layer * layer_stride + row * row_stride + slot) * elem_bytes`; KV head h owns rows
+/// [h * rows_per_kv_head, (h + 1) * rows_per_kv_head) (the GQA group for per-q-head state).
+struct slot_state {
+  std::byte* data = nullptr;
+  std::size_t elem_bytes = 0;
+  int rows_per_kv_head = 1;
+  std::int64_t layer_stride = 0;  ///< in elements
+  std::int64_t row_stride = 0;    ///< in elements
+};
+
+/// Describes a `T` array [num_layers, num_kv_heads * rows_per_kv_head, capacity].
+template <class T>
+slot_state make_slot_state(T* data, int num_kv_heads, int rows_per_kv_head, std::int64_t capacity) {
+  return {reinterpret_cast<std::byte*>(data), sizeof(T), rows_per_kv_head,
+          std::int64_t{num_kv_heads} * rows_per_kv_head * capacity, capacity};
+}
+
+/// What a compaction did beyond the view's own arrays.
+struct compaction_result {
+  /// Paged views: page ids (from the tail of the block table) that no (layer, kv_head)
+  /// uses any more, in block-table order. The engine returns them to its allocator and
+  /// shortens the block table. Empty for dense views.
+  std::vector<std::int32_t> freed_pages;
+};
+
+/// Checks that `plan` fits `view`: one row per (layer, kv_head), every row strictly
+/// ascending and inside [0, length). Throws `triattn::error` naming `api`.
+template <KVCacheView V>
+void validate_plan(const char* api, const V& view, const keep_plan& plan) {
+  const kv_geometry& g = view.geometry();
+  TRIATTN_CHECK(plan.num_layers == g.num_layers && plan.num_kv_heads == g.num_kv_heads &&
+                    plan.rows() == static_cast<std::size_t>(g.num_layers) * g.num_kv_heads,
+                api, "keep plan has ", plan.rows(), " rows for ", plan.num_layers, " layers x ", plan.num_kv_heads,
+                " kv_heads, the view has ", g.num_layers, " x ", g.num_kv_heads);
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      const auto keep = plan.row(l, h);
+      const std::int32_t n = view.length(l, h);
+      for (std::size_t i = 0; i < keep.size(); ++i) {
+        TRIATTN_CHECK(keep[i] >= 0 && keep[i] < n, api, "keep index ", keep[i], " of layer ", l, " kv_head ", h,
+                      " is out of range [0, ", n, ")");
+        TRIATTN_CHECK(i == 0 || keep[i] > keep[i - 1], api, "keep indices of layer ", l, " kv_head ", h,
+                      " are not strictly ascending: ", keep[i - 1], " then ", keep[i]);
+      }
+    }
+  }
+}
+
+namespace detail {
+inline std::vector<std::int32_t> freed_pages(const dense_kv_view&, std::int32_t, std::int32_t) { return {}; }
+inline std::vector<std::int32_t> freed_pages(const paged_kv_view& v, std::int32_t before, std::int32_t after) {
+  const auto pages = [&](std::int32_t n) { return (n + v.page_size - 1) / v.page_size; };
+  return {v.block_table + pages(after), v.block_table + pages(before)};
+}
+}  // namespace detail
+
+/// Applies `plan` in place: K and V rows, positions, lengths and every `states` array.
+/// Validates everything first; on error nothing has been modified.
+template <KVCacheView V>
+compaction_result compact(const V& view, const keep_plan& plan, std::span<const slot_state> states = {}) {
+  const char* api = "triattn::compact";
+  view.validate(api);
+  validate_plan(api, view, plan);
+  for (const slot_state& st : states)
+    TRIATTN_CHECK(st.data != nullptr && st.elem_bytes > 0 && st.rows_per_kv_head >= 1, api,
+                  "slot_state is null or has elem_bytes ", st.elem_bytes, ", rows_per_kv_head ", st.rows_per_kv_head);
+
+  const kv_geometry& g = view.geometry();
+  const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dtype_bytes(g.type);
+  const std::int32_t before = max_length(view);
+  for (int l = 0; l < g.num_layers; ++l) {
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      const auto keep = plan.row(l, h);
+      for (std::size_t i = 0; i < keep.size(); ++i) {
+        const std::int64_t src = keep[i], dst = static_cast<std::int64_t>(i);
+        if (src == dst) continue;
+        std::memcpy(view.key(l, h, dst), view.key(l, h, src), row_bytes);  // distinct rows never overlap
+        std::memcpy(view.value(l, h, dst), view.value(l, h, src), row_bytes);
+        view.position(l, h, dst) = view.position(l, h, src);
+        for (const slot_state& st : states) {
+          for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
+            std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * static_cast<std::int64_t>(st.elem_bytes);
+            std::memcpy(base + dst * static_cast<std::int64_t>(st.elem_bytes),
+                        base + src * static_cast<std::int64_t>(st.elem_bytes), st.elem_bytes);
+          }
+        }
+      }
+      view.set_length(l, h, static_cast<std::int32_t>(keep.size()));
+    }
+  }
+  return {detail::freed_pages(view, before, max_length(view))};
+}
+
+TRIATTN_NAMESPACE_END

@@ -1,0 +1,256 @@
+/// \file triattn/core/kv_cache_view.hpp
+/// \brief The `KVCacheView` concept and its two models: a dense strided cache and a paged
+/// (block-table) cache.
+///
+/// A view describes the KV cache of ONE sequence, across every layer, without owning any of
+/// it. The engine keeps its memory, its allocator and its attention kernels; triattn reads
+/// keys through the view and compacts the cache in place through it. A batch is a
+/// `std::span` of views.
+///
+/// Addressing is (layer, kv_head, slot) -> the first element of a row of `head_dim`
+/// contiguous elements (the dim stride must be 1: vector loads and memcpy of whole rows).
+/// Slots are per (layer, kv_head): heads that kept different tokens hold different
+/// positions, so each (layer, kv_head) has its own token count and a position per slot.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <type_traits>
+
+#include "triattn/core/config.hpp"
+#include "triattn/core/dtype.hpp"
+#include "triattn/core/error.hpp"
+#include "triattn/core/rope.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// Whether the cached keys carry their rotary embedding.
+enum class key_state : std::uint8_t {
+  post_rope,  ///< rotated at their position before caching (llama.cpp, vLLM, HF, TensorRT-LLM default)
+  pre_rope,   ///< rotated inside the attention kernel (FlashInfer in-kernel RoPE, TRT pos_shift)
+};
+
+/// The model-side shape of a cache: what every view model carries.
+struct kv_geometry {
+  int num_layers = 0;
+  int num_q_heads = 0;   ///< query heads; a GQA group is num_q_heads / num_kv_heads
+  int num_kv_heads = 0;
+  int head_dim = 0;      ///< K and V share it
+  dtype type = dtype::f32;
+  key_state keys = key_state::post_rope;
+  rope_desc rope{};
+
+  /// Query heads per KV head. Query head h reads KV head h / group_size().
+  TRIATTN_HOST_DEVICE int group_size() const { return num_q_heads / num_kv_heads; }
+};
+
+/// Row strides of one of K or V, in elements. The dim stride is 1.
+///
+/// Dense NHD [tokens, kv_heads, head_dim]: token = kv_heads*head_dim, head = head_dim.
+/// Dense HND [kv_heads, tokens, head_dim]: token = head_dim, head = capacity*head_dim.
+/// Paged adds `page` (the distance between two pages of the pool).
+struct kv_strides {
+  std::int64_t token = 0;
+  std::int64_t head = 0;
+  std::int64_t page = 0;  ///< paged views only
+
+  static constexpr kv_strides nhd(int num_kv_heads, int head_dim) {
+    return {std::int64_t{num_kv_heads} * head_dim, head_dim, 0};
+  }
+  static constexpr kv_strides hnd(std::int64_t tokens_per_head, int head_dim) {
+    return {head_dim, tokens_per_head * head_dim, 0};
+  }
+  /// Within a page of `page_size` tokens, NHD: [pages, page_size, kv_heads, head_dim].
+  static constexpr kv_strides paged_nhd(int page_size, int num_kv_heads, int head_dim) {
+    return {std::int64_t{num_kv_heads} * head_dim, head_dim, std::int64_t{page_size} * num_kv_heads * head_dim};
+  }
+  /// Within a page, HND: [pages, kv_heads, page_size, head_dim] (TensorRT-LLM, FlashInfer HND).
+  static constexpr kv_strides paged_hnd(int page_size, int num_kv_heads, int head_dim) {
+    return {head_dim, std::int64_t{page_size} * head_dim, std::int64_t{page_size} * num_kv_heads * head_dim};
+  }
+};
+
+/// Token bookkeeping shared by both models, owned by the engine:
+/// `lengths` [num_layers, num_kv_heads] valid slots per (layer, kv_head);
+/// `positions` [num_layers, num_kv_heads, capacity] the token position held by each slot.
+struct slot_table {
+  std::int32_t* lengths = nullptr;
+  std::int32_t* positions = nullptr;
+  std::int64_t capacity = 0;  ///< slots per (layer, kv_head)
+};
+
+/// The KVCacheView concept.
+///
+/// A model `V` provides, with `l` a layer, `h` a KV head and `s` a slot:
+/// - `v.geometry()`: the `kv_geometry` (layers, heads, head_dim, dtype, key state, RoPE);
+/// - `v.key(l, h, s)`, `v.value(l, h, s)`: `std::byte*` to the row of `head_dim` elements;
+/// - `v.length(l, h)` and `v.set_length(l, h, n)`: the number of valid slots;
+/// - `v.position(l, h, s)`: `std::int32_t&`, the token position held by slot `s`;
+/// - `v.capacity()`: slots addressable per (layer, kv_head);
+/// - `v.validate(api)`: throws `triattn::error` naming `api` when the view is malformed.
+/// Models are trivially copyable so that kernels can take them by value.
+template <class V>
+concept KVCacheView = std::is_trivially_copyable_v<V> &&
+                      requires(const V v, int l, int h, std::int64_t s, std::int32_t n, const char* api) {
+                        { v.geometry() } -> std::convertible_to<const kv_geometry&>;
+                        { v.key(l, h, s) } -> std::same_as<std::byte*>;
+                        { v.value(l, h, s) } -> std::same_as<std::byte*>;
+                        { v.length(l, h) } -> std::same_as<std::int32_t>;
+                        { v.position(l, h, s) } -> std::same_as<std::int32_t&>;
+                        { v.capacity() } -> std::same_as<std::int64_t>;
+                        v.set_length(l, h, n);
+                        v.validate(api);
+                      };
+
+namespace detail {
+/// Checks the parts of a view that both models share.
+inline void validate_common(const char* api, const kv_geometry& g, const slot_table& t) {
+  TRIATTN_CHECK(g.num_layers > 0, api, "num_layers ", g.num_layers, " must be >= 1");
+  TRIATTN_CHECK(g.num_kv_heads > 0, api, "num_kv_heads ", g.num_kv_heads, " must be >= 1");
+  TRIATTN_CHECK(g.num_q_heads > 0 && g.num_q_heads % g.num_kv_heads == 0, api, "num_q_heads ", g.num_q_heads,
+                " must be a positive multiple of num_kv_heads ", g.num_kv_heads);
+  validate_rope(api, g.rope, g.head_dim);
+  TRIATTN_CHECK(t.lengths != nullptr, api, "lengths is null");
+  TRIATTN_CHECK(t.positions != nullptr, api, "positions is null");
+  TRIATTN_CHECK(t.capacity >= 0, api, "capacity ", t.capacity, " must be >= 0");
+  for (int i = 0; i < g.num_layers * g.num_kv_heads; ++i) {
+    TRIATTN_CHECK(t.lengths[i] >= 0 && t.lengths[i] <= t.capacity, api, "length ", t.lengths[i], " of layer ",
+                  i / g.num_kv_heads, " kv_head ", i % g.num_kv_heads, " is outside [0, capacity ", t.capacity,
+                  "]");
+  }
+}
+}  // namespace detail
+
+/// A dense cache: per layer, K and V are base pointers with row strides. Covers NHD
+/// [tokens, kv_heads, head_dim], HND [kv_heads, tokens, head_dim] and any other strided layout.
+struct dense_kv_view {
+  kv_geometry geo{};
+  std::byte* const* k_layers = nullptr;  ///< [num_layers] base pointer of each layer's K
+  std::byte* const* v_layers = nullptr;  ///< [num_layers] base pointer of each layer's V
+  kv_strides k_stride{};
+  kv_strides v_stride{};
+  slot_table slots{};
+
+  TRIATTN_HOST_DEVICE const kv_geometry& geometry() const { return geo; }
+  TRIATTN_HOST_DEVICE std::int64_t capacity() const { return slots.capacity; }
+  TRIATTN_HOST_DEVICE std::byte* key(int l, int h, std::int64_t s) const {
+    return k_layers[l] + (s * k_stride.token + h * k_stride.head) * static_cast<std::int64_t>(dtype_bytes(geo.type));
+  }
+  TRIATTN_HOST_DEVICE std::byte* value(int l, int h, std::int64_t s) const {
+    return v_layers[l] + (s * v_stride.token + h * v_stride.head) * static_cast<std::int64_t>(dtype_bytes(geo.type));
+  }
+  TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.lengths[l * geo.num_kv_heads + h]; }
+  TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const {
+    slots.lengths[l * geo.num_kv_heads + h] = n;
+  }
+  TRIATTN_HOST_DEVICE std::int32_t& position(int l, int h, std::int64_t s) const {
+    return slots.positions[(static_cast<std::int64_t>(l) * geo.num_kv_heads + h) * slots.capacity + s];
+  }
+
+  void validate(const char* api) const {
+    detail::validate_common(api, geo, slots);
+    TRIATTN_CHECK(k_layers != nullptr && v_layers != nullptr, api, "k_layers/v_layers is null");
+    for (int l = 0; l < geo.num_layers; ++l) {
+      TRIATTN_CHECK(k_layers[l] != nullptr, api, "K base pointer of layer ", l, " is null");
+      TRIATTN_CHECK(v_layers[l] != nullptr, api, "V base pointer of layer ", l, " is null");
+    }
+  }
+};
+
+/// A paged cache (vLLM / FlashInfer style): per layer a pool of pages, one block table per
+/// sequence shared by all layers, mapping logical slot s to (page block_table[s / page_size],
+/// offset s % page_size). Any positive page size.
+struct paged_kv_view {
+  kv_geometry geo{};
+  std::byte* const* k_pools = nullptr;  ///< [num_layers] base of each layer's K page pool
+  std::byte* const* v_pools = nullptr;  ///< [num_layers] base of each layer's V page pool
+  kv_strides k_stride{};                ///< includes `page`
+  kv_strides v_stride{};
+  const std::int32_t* block_table = nullptr;  ///< [num_blocks] page ids of this sequence
+  std::int32_t num_blocks = 0;
+  std::int32_t page_size = 0;
+  slot_table slots{};  ///< capacity must not exceed num_blocks * page_size
+
+  TRIATTN_HOST_DEVICE const kv_geometry& geometry() const { return geo; }
+  TRIATTN_HOST_DEVICE std::int64_t capacity() const { return slots.capacity; }
+  TRIATTN_HOST_DEVICE std::byte* key(int l, int h, std::int64_t s) const { return row(k_pools[l], k_stride, h, s); }
+  TRIATTN_HOST_DEVICE std::byte* value(int l, int h, std::int64_t s) const {
+    return row(v_pools[l], v_stride, h, s);
+  }
+  TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.lengths[l * geo.num_kv_heads + h]; }
+  TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const {
+    slots.lengths[l * geo.num_kv_heads + h] = n;
+  }
+  TRIATTN_HOST_DEVICE std::int32_t& position(int l, int h, std::int64_t s) const {
+    return slots.positions[(static_cast<std::int64_t>(l) * geo.num_kv_heads + h) * slots.capacity + s];
+  }
+
+  void validate(const char* api) const {
+    detail::validate_common(api, geo, slots);
+    TRIATTN_CHECK(page_size > 0, api, "page_size ", page_size, " must be >= 1");
+    TRIATTN_CHECK(block_table != nullptr, api, "block_table is null");
+    TRIATTN_CHECK(k_pools != nullptr && v_pools != nullptr, api, "k_pools/v_pools is null");
+    TRIATTN_CHECK(slots.capacity <= std::int64_t{num_blocks} * page_size, api, "page table too short: ",
+                  num_blocks, " blocks of ", page_size, " slots hold fewer than capacity ", slots.capacity);
+    for (int l = 0; l < geo.num_layers; ++l) {
+      TRIATTN_CHECK(k_pools[l] != nullptr, api, "K page pool of layer ", l, " is null");
+      TRIATTN_CHECK(v_pools[l] != nullptr, api, "V page pool of layer ", l, " is null");
+    }
+    for (std::int32_t b = 0; b < num_blocks; ++b)
+      TRIATTN_CHECK(block_table[b] >= 0, api, "block_table[", b, "] = ", block_table[b], " is negative");
+  }
+
+ private:
+  TRIATTN_HOST_DEVICE std::byte* row(std::byte* pool, const kv_strides& st, int h, std::int64_t s) const {
+    const std::int64_t page = block_table[s / page_size];
+    const std::int64_t off = s % page_size;
+    return pool + (page * st.page + off * st.token + h * st.head) * static_cast<std::int64_t>(dtype_bytes(geo.type));
+  }
+};
+
+static_assert(KVCacheView<dense_kv_view>);
+static_assert(KVCacheView<paged_kv_view>);
+static_assert(std::is_standard_layout_v<dense_kv_view> && std::is_standard_layout_v<paged_kv_view>);
+
+namespace detail {
+inline void load_row(const std::byte* p, dtype t, int n, float* out) {
+  for (int d = 0; d < n; ++d) out[d] = load_element(p, t, static_cast<std::size_t>(d));
+}
+inline void store_row(std::byte* p, dtype t, int n, const float* in) {
+  for (int d = 0; d < n; ++d) store_element(p, t, static_cast<std::size_t>(d), in[d]);
+}
+}  // namespace detail
+
+/// Reads the key row (l, h, s) as f32 into `out` [head_dim].
+template <KVCacheView V>
+void load_key(const V& v, int l, int h, std::int64_t s, float* out) {
+  detail::load_row(v.key(l, h, s), v.geometry().type, v.geometry().head_dim, out);
+}
+/// Reads the value row (l, h, s) as f32 into `out` [head_dim].
+template <KVCacheView V>
+void load_value(const V& v, int l, int h, std::int64_t s, float* out) {
+  detail::load_row(v.value(l, h, s), v.geometry().type, v.geometry().head_dim, out);
+}
+/// Writes `in` [head_dim] as the key row (l, h, s), rounding to the cache's dtype.
+template <KVCacheView V>
+void store_key(const V& v, int l, int h, std::int64_t s, const float* in) {
+  detail::store_row(v.key(l, h, s), v.geometry().type, v.geometry().head_dim, in);
+}
+/// Writes `in` [head_dim] as the value row (l, h, s), rounding to the cache's dtype.
+template <KVCacheView V>
+void store_value(const V& v, int l, int h, std::int64_t s, const float* in) {
+  detail::store_row(v.value(l, h, s), v.geometry().type, v.geometry().head_dim, in);
+}
+
+/// Largest length over every (layer, kv_head).
+template <KVCacheView V>
+std::int32_t max_length(const V& v) {
+  std::int32_t m = 0;
+  for (int l = 0; l < v.geometry().num_layers; ++l)
+    for (int h = 0; h < v.geometry().num_kv_heads; ++h) m = v.length(l, h) > m ? v.length(l, h) : m;
+  return m;
+}
+
+TRIATTN_NAMESPACE_END

@@ -1,0 +1,160 @@
+/// \file triattn/core/selection.hpp
+/// \brief Turning scores into keep indices: deterministic top-k, union selection, 1-D
+/// pooling and protected sets.
+///
+/// Determinism is part of the contract: a higher score wins; equal scores go to the lower
+/// slot index; NaN ranks below every number (a NaN score is never preferred to a real one);
+/// the returned indices are ascending, which is what makes in-place compaction safe.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "triattn/core/config.hpp"
+#include "triattn/core/error.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// Total order used by every selection: true when slot `a` (score `sa`) ranks before slot
+/// `b`. Written once for the host and device paths.
+TRIATTN_HOST_DEVICE bool ranks_before(float sa, std::int64_t a, float sb, std::int64_t b) {
+  const bool na = sa != sa, nb = sb != sb;  // NaN test that survives -ffast-math
+  if (na != nb) return nb;
+  if (!na && sa != sb) return sa > sb;
+  return a < b;
+}
+
+/// Top-`k` of `scores` restricted to the slots where `candidate` is true (all slots when
+/// `candidate` is empty). Appends the chosen slot indices to `out` and returns how many were
+/// chosen (min(k, candidates)). The appended indices are NOT sorted; callers sort once after
+/// merging protected slots (see `select_keep`).
+inline std::int64_t top_k_append(std::span<const float> scores, std::int64_t k, std::span<const bool> candidate,
+                                 std::vector<std::int32_t>& out) {
+  std::vector<std::int32_t> idx;
+  idx.reserve(scores.size());
+  for (std::size_t i = 0; i < scores.size(); ++i)
+    if (candidate.empty() || candidate[i]) idx.push_back(static_cast<std::int32_t>(i));
+  const std::int64_t take = std::clamp<std::int64_t>(k, 0, static_cast<std::int64_t>(idx.size()));
+  const auto before = [&](std::int32_t a, std::int32_t b) { return ranks_before(scores[a], a, scores[b], b); };
+  std::nth_element(idx.begin(), idx.begin() + take, idx.end(), before);
+  out.insert(out.end(), idx.begin(), idx.begin() + take);
+  return take;
+}
+
+/// Deterministic top-k: the `min(k, n)` best slots of `scores`, ascending.
+inline std::vector<std::int32_t> top_k(std::span<const float> scores, std::int64_t k) {
+  TRIATTN_CHECK(k >= 0, "triattn::top_k", "k ", k, " must be >= 0");
+  std::vector<std::int32_t> out;
+  top_k_append(scores, k, {}, out);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// Union selection over rows of scores [num_rows, n] (row-major), as TriAttention's reference
+/// `_select_union_based`: every row takes its own top-k, and the k best slots of the union by
+/// the combined score (max over rows) are kept. Returns min(k, n) slots, ascending.
+inline std::vector<std::int32_t> union_select(std::span<const float> rows, std::int64_t num_rows, std::int64_t n,
+                                              std::int64_t k) {
+  const char* api = "triattn::union_select";
+  TRIATTN_CHECK(num_rows >= 1 && n >= 0 && static_cast<std::int64_t>(rows.size()) == num_rows * n, api,
+                "rows holds ", rows.size(), " scores, expected num_rows ", num_rows, " x n ", n);
+  TRIATTN_CHECK(k >= 0, api, "k ", k, " must be >= 0");
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<float> combined(un, -std::numeric_limits<float>::infinity());
+  const auto in_union = std::make_unique<bool[]>(un);  // value-initialised: all false
+  std::vector<std::int32_t> picked;
+  for (std::int64_t r = 0; r < num_rows; ++r) {
+    const auto row = rows.subspan(static_cast<std::size_t>(r) * un, un);
+    for (std::size_t j = 0; j < un; ++j)
+      if (row[j] > combined[j]) combined[j] = row[j];  // a NaN never wins a comparison
+    picked.clear();
+    top_k_append(row, k, {}, picked);
+    for (auto j : picked) in_union[j] = true;
+  }
+  // Each row contributed min(k, n) distinct slots, so the union never holds fewer than the
+  // min(k, n) slots to keep: the reference's "fill from outside the union" step cannot fire.
+  std::vector<std::int32_t> out;
+  top_k_append(combined, k, {in_union.get(), un}, out);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// Pooling kinds of SnapKV-style smoothing.
+enum class pooling : std::uint8_t {
+  max,  ///< padding counts as -inf
+  avg,  ///< padding counts as 0 and the divisor is always `kernel` (PyTorch count_include_pad)
+};
+
+/// Output j of a 1-D pooling of `x` [n] with an odd `kernel`, stride 1 and padding kernel/2,
+/// so that the output has n elements too. Shared by the CPU and CUDA paths.
+TRIATTN_HOST_DEVICE float pool_at(const float* x, std::int64_t n, std::int64_t j, int kernel, pooling kind) {
+  const std::int64_t lo = j - kernel / 2, hi = j + kernel / 2;
+  float acc = kind == pooling::max ? -std::numeric_limits<float>::infinity() : 0.0f;
+  for (std::int64_t i = lo < 0 ? 0 : lo; i <= hi && i < n; ++i) {
+    if (kind == pooling::max) {
+      acc = x[i] > acc ? x[i] : acc;
+    } else {
+      acc += x[i];
+    }
+  }
+  return kind == pooling::max ? acc : acc / static_cast<float>(kernel);
+}
+
+/// Pools `x` into `out` (both [n]); see `pool_at`.
+inline void pool1d(std::span<const float> x, std::span<float> out, int kernel, pooling kind) {
+  TRIATTN_CHECK(kernel >= 1 && kernel % 2 == 1, "triattn::pool1d", "kernel ", kernel, " must be odd and >= 1");
+  TRIATTN_CHECK(out.size() == x.size(), "triattn::pool1d", "output size ", out.size(), " differs from input size ",
+                x.size());
+  const auto n = static_cast<std::int64_t>(x.size());
+  for (std::int64_t j = 0; j < n; ++j) out[j] = pool_at(x.data(), n, j, kernel, kind);
+}
+
+/// Slots that are kept whatever their score. A slot of a (layer, kv_head) holding `n` slots
+/// is protected when it is among the first `first` slots, among the last `last` slots, or
+/// holds a position below `prompt_length` (the prompt's tokens).
+struct protection {
+  std::int64_t first = 0;          ///< attention sinks
+  std::int64_t last = 0;           ///< recent window
+  std::int64_t prompt_length = 0;  ///< positions [0, prompt_length) are the prompt
+};
+
+/// Whether slot `s` of `n` slots, holding `position`, is protected.
+TRIATTN_HOST_DEVICE bool is_protected(const protection& p, std::int64_t s, std::int64_t n, std::int64_t position) {
+  return s < p.first || s >= n - p.last || position < p.prompt_length;
+}
+
+/// Keep set of one (layer, kv_head) or one shared decision: protected slots first (if they
+/// alone exceed the budget, the lowest protected slots), then the best-scoring of the rest.
+/// `positions` [n] may be empty when `prot.prompt_length` is 0. Returns min(budget, n) slots,
+/// ascending.
+inline std::vector<std::int32_t> select_keep(std::span<const float> scores, std::span<const std::int32_t> positions,
+                                             const protection& prot, std::int64_t budget) {
+  const char* api = "triattn::select_keep";
+  TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+  const auto n = static_cast<std::int64_t>(scores.size());
+  TRIATTN_CHECK(prot.prompt_length == 0 || static_cast<std::int64_t>(positions.size()) == n, api, "positions holds ",
+                positions.size(), " slots, expected ", n);
+  std::vector<std::int32_t> out;
+  if (budget >= n) {
+    out.resize(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<std::int32_t>(i);
+    return out;
+  }
+  const auto candidate = std::make_unique<bool[]>(static_cast<std::size_t>(n));
+  for (std::int64_t s = 0; s < n; ++s) {
+    const bool prot_s = is_protected(prot, s, n, positions.empty() ? s : positions[s]);
+    candidate[s] = !prot_s;
+    if (prot_s && static_cast<std::int64_t>(out.size()) < budget) out.push_back(static_cast<std::int32_t>(s));
+  }
+  top_k_append(scores, budget - static_cast<std::int64_t>(out.size()), {candidate.get(), static_cast<std::size_t>(n)},
+               out);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TRIATTN_NAMESPACE_END

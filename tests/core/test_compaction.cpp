@@ -1,0 +1,181 @@
+// In-place compaction on dense and paged layouts against a gather done on copies of the rows.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "support/random.hpp"
+#include "support/views.hpp"
+#include "triattn/core/compaction.hpp"
+
+namespace {
+
+using triattn_test::cache_layout;
+using triattn_test::cache_shape;
+using triattn_test::test_cache;
+using index_list = std::vector<std::int32_t>;
+
+/// Two per-slot state arrays: one float per KV head (contiguous, via make_slot_state) and
+/// two int64 rows per KV head (a GQA group of 2) with padded row and layer strides.
+struct slot_arrays {
+  int heads;
+  std::int64_t capacity, row_stride, layer_stride;
+  std::vector<float> per_head;
+  std::vector<std::int64_t> per_query;
+
+  slot_arrays(const cache_shape& s, std::mt19937_64& g)
+      : heads(s.num_kv_heads), capacity(s.capacity), row_stride(s.capacity + 3),
+        layer_stride(2 * s.num_kv_heads * (s.capacity + 3) + 5),
+        per_head(triattn_test::normal_floats(g, static_cast<std::size_t>(s.num_layers * s.num_kv_heads * s.capacity))),
+        per_query(static_cast<std::size_t>(s.num_layers * layer_stride)) {
+    for (auto& x : per_query) x = static_cast<std::int64_t>(g());
+  }
+  std::vector<triattn::slot_state> states() {
+    return {triattn::make_slot_state(per_head.data(), heads, 1, capacity),
+            {reinterpret_cast<std::byte*>(per_query.data()), sizeof(std::int64_t), 2, layer_stride, row_stride}};
+  }
+  float& a(int l, int h, std::int64_t s) { return per_head[static_cast<std::size_t>((l * heads + h) * capacity + s)]; }
+  std::int64_t& b(int l, int row, std::int64_t s) {
+    return per_query[static_cast<std::size_t>(l * layer_stride + row * row_stride + s)];
+  }
+};
+
+/// A random keep set per (layer, kv_head): all slots (mode 0), none (mode 1) or a random
+/// ascending subset of random size.
+triattn::keep_plan random_plan(test_cache& c, std::mt19937_64& g, int mode) {
+  const auto& s = c.shape();
+  triattn::keep_plan plan(s.num_layers, s.num_kv_heads);
+  for (int l = 0; l < s.num_layers; ++l) {
+    for (int h = 0; h < s.num_kv_heads; ++h) {
+      index_list all(static_cast<std::size_t>(c.length(l, h)));
+      std::iota(all.begin(), all.end(), 0);
+      std::uniform_int_distribution<std::size_t> count(0, all.size());
+      std::shuffle(all.begin(), all.end(), g);
+      all.resize(mode == 0 ? all.size() : mode == 1 ? 0 : count(g));
+      std::sort(all.begin(), all.end());
+      plan.push_row(all);
+    }
+  }
+  return plan;
+}
+
+/// Everything a slot (l, h, s) carries, read with the test's own addressing.
+struct slot_copy {
+  triattn_test::slot_contents kv;
+  float a;
+  std::int64_t b0, b1;
+  bool operator==(const slot_copy&) const = default;
+};
+slot_copy read_slot(test_cache& c, slot_arrays& st, int l, int h, std::int64_t s) {
+  return {c.slot(l, h, s), st.a(l, h, s), st.b(l, 2 * h, s), st.b(l, 2 * h + 1, s)};
+}
+
+}  // namespace
+
+TEST_CASE("views address rows, lengths and positions where the layout puts them") {
+  auto g = triattn_test::rng(401);
+  for (const auto layout : triattn_test::all_layouts) {
+    for (const auto type : triattn_test::all_dtypes) {
+      for (const int page_size : {1, 3, 16}) {
+        test_cache c(triattn_test::random_shape(g, layout, type, page_size), g);
+        INFO(c.shape().describe());
+        c.with_view([&](const auto& v) {
+          STATIC_REQUIRE(triattn::KVCacheView<std::decay_t<decltype(v)>>);
+          REQUIRE_NOTHROW(v.validate("test"));
+          CHECK(v.capacity() == c.shape().capacity);
+          for (int l = 0; l < c.shape().num_layers; ++l) {
+            for (int h = 0; h < c.shape().num_kv_heads; ++h) {
+              CHECK(v.length(l, h) == c.length(l, h));
+              for (std::int64_t s = 0; s < c.shape().capacity; ++s) {
+                REQUIRE(v.key(l, h, s) == c.key_row(l, h, s));
+                REQUIRE(v.value(l, h, s) == c.value_row(l, h, s));
+                REQUIRE(&v.position(l, h, s) == &c.position(l, h, s));
+              }
+            }
+          }
+          CHECK(triattn::max_length(v) == *std::max_element(c.lengths.begin(), c.lengths.end()));
+        });
+      }
+    }
+  }
+}
+
+TEST_CASE("compact gathers K, V, positions and slot state like a copy-then-gather") {
+  auto g = triattn_test::rng(402);
+  for (const auto layout : triattn_test::all_layouts) {
+    for (const auto type : triattn_test::all_dtypes) {
+      for (const int page_size : {1, 3, 16}) {
+        if (!triattn_test::is_paged(layout) && page_size != 1) continue;  // page size means nothing there
+        for (int mode = 0; mode < 5; ++mode) {
+          test_cache c(triattn_test::random_shape(g, layout, type, page_size), g);
+          slot_arrays st(c.shape(), g);
+          const auto& s = c.shape();
+          INFO(s.describe() << " mode " << mode);
+          const auto plan = random_plan(c, g, mode);
+
+          // The oracle: copy every kept slot out first, then expect it at its new index.
+          std::vector<std::vector<slot_copy>> expected;
+          for (int l = 0; l < s.num_layers; ++l)
+            for (int h = 0; h < s.num_kv_heads; ++h) {
+              expected.emplace_back();
+              for (const auto k : plan.row(l, h)) expected.back().push_back(read_slot(c, st, l, h, k));
+            }
+          const auto lengths_before = c.lengths;
+          const auto spare = c.spare_page_ids();
+          std::vector<std::vector<std::byte>> spare_before;
+          for (int l = 0; l < s.num_layers; ++l)
+            for (const auto p : spare) spare_before.push_back(c.page_bytes(l, p));
+          const auto block_table_before = c.block_table;
+          const auto per_query_before = st.per_query;
+
+          auto states = st.states();
+          const auto result = c.with_view([&](const auto& v) { return triattn::compact(v, plan, states); });
+
+          for (int l = 0; l < s.num_layers; ++l) {
+            for (int h = 0; h < s.num_kv_heads; ++h) {
+              const auto& want = expected[static_cast<std::size_t>(l * s.num_kv_heads + h)];
+              INFO("layer " << l << " kv_head " << h);
+              REQUIRE(c.length(l, h) == static_cast<std::int32_t>(want.size()));
+              for (std::size_t i = 0; i < want.size(); ++i) {
+                INFO("slot " << i);
+                REQUIRE(read_slot(c, st, l, h, static_cast<std::int64_t>(i)) == want[i]);
+              }
+            }
+          }
+          // Nothing outside this sequence moved: spare pool pages, the block table, the
+          // padding between slot-state rows.
+          std::size_t at = 0;
+          for (int l = 0; l < s.num_layers; ++l)
+            for (const auto p : spare) CHECK(c.page_bytes(l, p) == spare_before[at++]);
+          CHECK(c.block_table == block_table_before);
+          for (std::size_t i = 0; i < st.per_query.size(); ++i) {
+            const auto in_row = static_cast<std::int64_t>(i) % st.layer_stride % st.row_stride;
+            const bool padding = static_cast<std::int64_t>(i) % st.layer_stride >= 2 * s.num_kv_heads * st.row_stride ||
+                                 in_row >= s.capacity;
+            if (padding) REQUIRE(st.per_query[i] == per_query_before[i]);
+          }
+
+          CHECK(result.freed_pages == triattn_test::expected_freed_pages(c, lengths_before));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("keep_plan::shared gives every (layer, kv_head) the same row") {
+  auto g = triattn_test::rng(403);
+  std::uniform_int_distribution<int> dim(1, 4);
+  const int layers = dim(g), heads = dim(g);
+  index_list keep;
+  std::bernoulli_distribution take(0.5);
+  for (std::int32_t i = 0; i < 30; ++i)
+    if (take(g)) keep.push_back(i);
+  const auto plan = triattn::keep_plan::shared(layers, heads, keep);
+  REQUIRE(plan.rows() == static_cast<std::size_t>(layers * heads));
+  for (int l = 0; l < layers; ++l)
+    for (int h = 0; h < heads; ++h) CHECK(index_list(plan.row(l, h).begin(), plan.row(l, h).end()) == keep);
+}

@@ -1,0 +1,18 @@
+# Fails unless README.md contains, verbatim, the lines of SOURCE between
+# "// example-begin REGION" and "// example-end REGION".
+file(READ "${SOURCE}" source)
+string(FIND "${source}" "// example-begin ${REGION}\n" begin)
+string(FIND "${source}" "// example-end ${REGION}" end)
+if(begin EQUAL -1 OR end EQUAL -1)
+  message(FATAL_ERROR "${SOURCE}: no example region '${REGION}'")
+endif()
+string(LENGTH "// example-begin ${REGION}\n" marker)
+math(EXPR begin "${begin} + ${marker}")
+math(EXPR length "${end} - ${begin}")
+string(SUBSTRING "${source}" ${begin} ${length} snippet)
+file(READ "${README}" readme)
+string(FIND "${readme}" "${snippet}" found)
+if(found EQUAL -1)
+  message(FATAL_ERROR "README.md does not show the current code of ${SOURCE} (region '${REGION}'); copy it again")
+endif()
+message(STATUS "README.md shows region '${REGION}' of ${SOURCE}")
