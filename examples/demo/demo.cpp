@@ -1,0 +1,257 @@
+// triattn_demo: a real model (stories260K) writes a story with a compressed KV cache, while
+// a second copy with the full cache reads the same tokens. Per policy it reports the story,
+// the KV memory saved, and how far compression moved the next-token distribution
+// (KL(full || compressed), per generated token).
+//
+//   triattn_demo [--policy full,streaming_llm] [--budget 64] [--slack 16] [--steps 256]
+//                [--model stories260K.bin] [--tokenizer tok512.bin]
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "llama2c/llama2c.hpp"
+#include "llama2c/policies.hpp"
+#include "triattn/triattn.hpp"
+
+#ifndef TRIATTN_DEFAULT_DATA_DIR
+#define TRIATTN_DEFAULT_DATA_DIR ""
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct options {
+  std::vector<std::string> policies{"full", "streaming_llm"};
+  std::int64_t budget = 64;
+  std::int64_t slack = 16;
+  int steps = 256;
+  fs::path model, tokenizer;
+
+  triattn::schedule schedule() const { return triattn::schedule::with_slack(slack); }
+};
+
+// A model file of the bundled data folder, or an empty path when none was configured.
+fs::path default_data_file(const char* name) {
+  const fs::path dir = TRIATTN_DEFAULT_DATA_DIR;
+  return dir.empty() ? fs::path() : dir / "models" / "stories260K" / name;
+}
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "triattn_demo: %s (see --help)\n", message.c_str());
+  std::exit(2);
+}
+
+void print_help() {
+  std::printf(
+      "usage: triattn_demo [options]\n"
+      "  A real model (stories260K) writes a story greedily from BOS with a compressed KV cache;\n"
+      "  a full-cache copy reads the same tokens. Reports memory saved and KL(full || compressed).\n\n"
+      "  --policy LIST     comma-separated policies, one result each (default full,streaming_llm)\n"
+      "  --budget N        tokens kept per (layer, KV head) after a round (default 64)\n"
+      "  --slack N         a round runs when the cache reaches budget + slack (default 16)\n"
+      "  --steps N         tokens to generate; stops early when the story ends (default 256)\n"
+      "  --model PATH      llama2.c checkpoint (default: stories260K.bin of TRIATTN_DATA_DIR)\n"
+      "  --tokenizer PATH  its tokenizer (default: tok512.bin next to the default model)\n"
+      "  --help            this text\n\n"
+      "policies:\n");
+  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+    std::printf("  %-16s  %.*s\n", std::string(e.name).c_str(), static_cast<int>(e.summary.size()), e.summary.data());
+}
+
+template <class Int>
+Int parse_int(std::string_view option, std::string_view text, Int min) {
+  Int v{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || v < min)
+    usage_error(std::string(option) + " expects an integer >= " + std::to_string(min) + ", got \"" +
+                std::string(text) + "\"");
+  return v;
+}
+
+std::vector<std::string> split_policies(std::string_view list) {
+  std::vector<std::string> out;
+  while (true) {
+    const std::size_t comma = std::min(list.find(','), list.size());
+    const std::string name(list.substr(0, comma));
+    if (llama2c::find_policy(name) == nullptr)
+      usage_error("unknown policy \"" + name + "\"; known: " + llama2c::policy_names());
+    out.push_back(name);
+    if (comma == list.size()) return out;
+    list.remove_prefix(comma + 1);
+  }
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  o.model = default_data_file("stories260K.bin");
+  o.tokenizer = default_data_file("tok512.bin");
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      print_help();
+      std::exit(0);
+    }
+    // --name value or --name=value
+    std::string_view value;
+    if (const std::size_t eq = arg.find('='); eq != std::string_view::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else if (arg.starts_with("--") && i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      usage_error(arg.starts_with("--") ? "option " + std::string(arg) + " needs a value"
+                                        : "unexpected argument \"" + std::string(arg) + "\"");
+    }
+    if (arg == "--policy") {
+      o.policies = split_policies(value);
+    } else if (arg == "--budget") {
+      o.budget = parse_int<std::int64_t>(arg, value, 1);
+    } else if (arg == "--slack") {
+      o.slack = parse_int<std::int64_t>(arg, value, 0);
+    } else if (arg == "--steps") {
+      o.steps = parse_int<int>(arg, value, 1);
+    } else if (arg == "--model") {
+      o.model = value;
+    } else if (arg == "--tokenizer") {
+      o.tokenizer = value;
+    } else {
+      usage_error("unknown option " + std::string(arg));
+    }
+  }
+  return o;
+}
+
+// The model is third-party data that the repository does not ship: say where to get it.
+[[noreturn]] void missing_data(const char* what, const fs::path& file) {
+  if (file.empty()) {
+    std::fprintf(stderr, "triattn_demo: no %s file given, and the build has no data folder configured\n", what);
+  } else {
+    std::fprintf(stderr, "triattn_demo: %s file not found: \"%s\"\n", what, file.string().c_str());
+  }
+  std::fprintf(stderr,
+               "  The model is not in the repository. Point the CMake cache variable TRIATTN_DATA_DIR at a\n"
+               "  folder holding models/stories260K/{stories260K.bin,tok512.bin} and rebuild, or pass\n"
+               "  --model and --tokenizer. Upstream files: https://huggingface.co/karpathy/tinyllamas\n"
+               "  (folder stories260K: stories260K.bin, tok512.bin).\n");
+  std::exit(2);
+}
+
+struct run_result {
+  std::string policy;
+  std::string text;
+  int tokens = 0;  // generated, the final BOS excluded
+  std::int64_t peak_bytes = 0;
+  std::int64_t full_bytes = 0;
+  int rounds = 0;
+  double mean_kl = 0.0;
+  double seconds = 0.0;
+};
+
+// Greedy decoding from BOS with `name`'s cache; the full-cache session reads the same tokens.
+run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std::string& name, const options& o) {
+  std::optional<llama2c::any_policy> policy = llama2c::find_policy(name)->create();
+  const triattn::schedule sched = o.schedule();
+  const auto start = std::chrono::steady_clock::now();
+  llama2c::session full(m, o.steps);
+  llama2c::session compressed(m, policy ? std::min<std::int64_t>(sched.peak_tokens(o.budget), o.steps) : o.steps);
+
+  run_result r;
+  r.policy = name;
+  std::vector<int> generated;
+  double kl_sum = 0.0;
+  int token = llama2c::bos_id;
+  for (int step = 0; step < o.steps; ++step) {
+    const std::span<const float> logits = compressed.forward(token);
+    kl_sum += llama2c::kl_divergence(full.forward(token), logits);
+    token = llama2c::argmax(logits);
+    r.peak_bytes = std::max(r.peak_bytes, compressed.kv_bytes());
+    if (policy && triattn::maybe_compress(*policy, compressed.view(), o.budget, sched, compressed.position()))
+      ++r.rounds;
+    if (token == llama2c::bos_id) break;  // the model ends a story with BOS
+    generated.push_back(token);
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.tokens = static_cast<int>(generated.size());
+  r.text = tok.decode(generated);
+  r.full_bytes = full.kv_bytes();
+  r.mean_kl = kl_sum / static_cast<double>(full.position());
+  return r;
+}
+
+double kib(std::int64_t bytes) { return static_cast<double>(bytes) / 1024.0; }
+double saved_percent(const run_result& r) {
+  return 100.0 * (1.0 - static_cast<double>(r.peak_bytes) / static_cast<double>(r.full_bytes));
+}
+
+// The story, word-wrapped and indented.
+void print_story(const std::string& text) {
+  constexpr std::size_t width = 92;
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    std::string_view line = rest.substr(0, std::min(rest.find('\n'), rest.size()));
+    rest.remove_prefix(std::min(line.size() + 1, rest.size()));
+    do {
+      std::size_t cut = line.size();
+      if (cut > width) {
+        const std::size_t space = line.rfind(' ', width);
+        cut = space == std::string_view::npos || space == 0 ? width : space;
+      }
+      std::printf("    %.*s\n", static_cast<int>(cut), line.data());
+      line.remove_prefix(cut);
+      if (line.starts_with(' ')) line.remove_prefix(1);
+    } while (!line.empty());
+  }
+}
+
+void print_table(const std::vector<run_result>& results) {
+  std::printf("\n%-16s %6s %12s %12s %7s %7s %10s %9s\n", "policy", "tokens", "peak KV", "full KV", "saved", "rounds",
+              "mean KL", "wall");
+  for (const run_result& r : results)
+    std::printf("%-16s %6d %8.1f KiB %8.1f KiB %6.1f%% %7d %10.5f %6.1f ms\n", r.policy.c_str(), r.tokens,
+                kib(r.peak_bytes), kib(r.full_bytes), saved_percent(r), r.rounds, r.mean_kl, 1e3 * r.seconds);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  if (!fs::is_regular_file(o.model)) missing_data("model", o.model);
+  if (!fs::is_regular_file(o.tokenizer)) missing_data("tokenizer", o.tokenizer);
+  try {
+    const llama2c::model m = llama2c::model::load(o.model);
+    const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);
+    const llama2c::config& c = m.config();
+    std::printf("triattn demo: %s (%d layers, %d query heads over %d KV heads, head_dim %d)\n",
+                o.model.stem().string().c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim);
+    std::printf("greedy decoding from BOS, up to %d tokens; budget %lld tokens per (layer, KV head),\n"
+                "compressed back to it when the cache reaches %lld; a full-cache copy reads the same tokens\n",
+                o.steps, static_cast<long long>(o.budget),
+                static_cast<long long>(o.schedule().peak_tokens(o.budget)));
+
+    std::vector<run_result> results;
+    for (const std::string& name : o.policies) {
+      const run_result& r = results.emplace_back(run(m, tok, name, o));
+      std::printf("\n== %s: %s ==\n", name.c_str(), std::string(llama2c::find_policy(name)->summary).c_str());
+      print_story(r.text);
+      std::printf("  %d tokens | peak KV %.1f KiB vs %.1f KiB full (%.1f%% saved) | %d rounds | mean KL %.5f | %.1f ms\n",
+                  r.tokens, kib(r.peak_bytes), kib(r.full_bytes), saved_percent(r), r.rounds, r.mean_kl,
+                  1e3 * r.seconds);
+    }
+    print_table(results);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "triattn_demo: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

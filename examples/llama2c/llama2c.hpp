@@ -1,0 +1,616 @@
+/// \file llama2c/llama2c.hpp
+/// \brief A small C++ runner for llama2.c version-0 checkpoints (such as stories260K): the
+/// model, the tokenizer, and a per-sequence session whose KV cache triattn compresses in place.
+///
+/// The forward pass and the tokenizer follow llama2.c's `run.c` (github.com/karpathy/llama2.c,
+/// MIT, Copyright (c) 2023 Andrej), with one difference that compression needs: the cache
+/// keeps one length per (layer, kv_head), and each query head attends over the slots its own
+/// kv head still holds. The cache is f32, NHD per layer, keys stored after RoPE.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "triattn/core/error.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/rope.hpp"
+
+namespace llama2c {
+
+static_assert(std::endian::native == std::endian::little, "llama2c: checkpoints are little-endian files");
+
+inline constexpr int bos_id = 1;  ///< "\n<s>\n": starts a text, and the model emits it to end a story
+inline constexpr int eos_id = 2;  ///< "\n</s>\n"
+
+/// The checkpoint header plus the sizes derived from it.
+struct config {
+  int dim = 0;
+  int hidden_dim = 0;
+  int n_layers = 0;
+  int n_heads = 0;
+  int n_kv_heads = 0;
+  int vocab_size = 0;  ///< positive; the sign stored in the file is `shared_classifier`
+  int seq_len = 0;     ///< the training context
+  int head_dim = 0;    ///< dim / n_heads
+  int kv_dim = 0;      ///< head_dim * n_kv_heads
+  bool shared_classifier = true;  ///< the classifier is the token embedding
+};
+
+/// The tensors of a checkpoint, in file order. Matrices are row-major [out][in].
+enum class tensor : std::uint8_t {
+  token_embedding,  ///< [vocab, dim]
+  rms_att,          ///< [layers][dim]
+  wq,               ///< [layers][dim, dim]
+  wk,               ///< [layers][kv_dim, dim]
+  wv,               ///< [layers][kv_dim, dim]
+  wo,               ///< [layers][dim, dim]
+  rms_ffn,          ///< [layers][dim]
+  w1,               ///< [layers][hidden, dim] (gate)
+  w2,               ///< [layers][dim, hidden] (down)
+  w3,               ///< [layers][hidden, dim] (up)
+  rms_final,        ///< [dim]
+  freq_cis_real,    ///< [seq_len, head_dim / 2] legacy cos table (unused: RoPE comes from triattn)
+  freq_cis_imag,    ///< [seq_len, head_dim / 2] legacy sin table (unused)
+  wcls,             ///< [vocab, dim]; the token embedding when the classifier is shared
+};
+inline constexpr std::size_t tensor_count = 14;
+
+/// Reads a whole file into a string. Throws `triattn::error` naming `api` and the path.
+inline std::string read_file(const std::filesystem::path& path, const char* api = "llama2c::read_file") {
+  std::ifstream in(path, std::ios::binary);
+  TRIATTN_CHECK(in.is_open(), api, path, ": cannot open the file");
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+/// A llama2.c version-0 checkpoint held in memory.
+class model {
+ public:
+  /// Reads and validates `path`: positive dims, n_heads a multiple of n_kv_heads, dim a
+  /// multiple of n_heads, an even head_dim, and the exact file size the header implies.
+  static model load(const std::filesystem::path& path);
+
+  const llama2c::config& config() const { return config_; }
+
+  /// The slice of tensor `t` for `layer` (0 for the tensors that are not per layer).
+  std::span<const float> weights(tensor t, int layer = 0) const {
+    if (t == tensor::wcls && config_.shared_classifier) t = tensor::token_embedding;
+    const auto i = static_cast<std::size_t>(t);
+    return {data_.data() + offset_[i] + static_cast<std::size_t>(layer) * slice_[i], slice_[i]};
+  }
+
+ private:
+  model() = default;  // only load() makes one
+
+  llama2c::config config_;
+  std::vector<float> data_;                       // every tensor, packed as in the file
+  std::array<std::size_t, tensor_count> offset_{};  // first float of each tensor
+  std::array<std::size_t, tensor_count> slice_{};   // floats per layer (or in all) of each tensor
+};
+
+inline model model::load(const std::filesystem::path& path) {
+  const char* api = "llama2c::model::load";
+  std::ifstream in(path, std::ios::binary);
+  TRIATTN_CHECK(in.is_open(), api, path, ": cannot open the file");
+  std::array<std::int32_t, 7> header{};
+  constexpr auto header_bytes = static_cast<std::streamsize>(sizeof(header));
+  in.read(reinterpret_cast<char*>(header.data()), header_bytes);
+  TRIATTN_CHECK(in.gcount() == header_bytes, api, path, ": ", in.gcount(), " bytes, shorter than the ", header_bytes,
+                "-byte header");
+
+  static constexpr std::array<const char*, 7> names{"dim",        "hidden_dim", "n_layers", "n_heads",
+                                                    "n_kv_heads", "vocab_size", "seq_len"};
+  for (std::size_t i = 0; i < header.size(); ++i) {
+    // vocab_size carries the classifier flag in its sign; only its magnitude must be positive.
+    const bool ok = i == 5 ? header[i] != 0 && header[i] != std::numeric_limits<std::int32_t>::min() : header[i] > 0;
+    TRIATTN_CHECK(ok, api, path, ": header field ", names[i], " = ", header[i], " is not a positive size");
+  }
+  model m;
+  llama2c::config& c = m.config_;
+  c.dim = header[0];
+  c.hidden_dim = header[1];
+  c.n_layers = header[2];
+  c.n_heads = header[3];
+  c.n_kv_heads = header[4];
+  c.vocab_size = header[5] < 0 ? -header[5] : header[5];
+  c.shared_classifier = header[5] > 0;
+  c.seq_len = header[6];
+  TRIATTN_CHECK(c.n_heads % c.n_kv_heads == 0, api, path, ": n_heads ", c.n_heads, " is not a multiple of n_kv_heads ",
+                c.n_kv_heads);
+  TRIATTN_CHECK(c.dim % c.n_heads == 0, api, path, ": dim ", c.dim, " is not a multiple of n_heads ", c.n_heads);
+  c.head_dim = c.dim / c.n_heads;
+  c.kv_dim = c.head_dim * c.n_kv_heads;
+  TRIATTN_CHECK(c.head_dim % 2 == 0, api, path, ": head_dim ", c.head_dim, " (dim / n_heads) must be even for RoPE");
+
+  // Floats per slice and slices per tensor, in file order. Counted in double: exact below
+  // 2^53, and a header implying more than that cannot match any real file size.
+  const double d = c.dim, hidden = c.hidden_dim, kv = c.kv_dim, layers = c.n_layers, vocab = c.vocab_size;
+  const double freqs = static_cast<double>(c.seq_len) * (c.head_dim / 2);
+  const std::array<double, tensor_count> per_slice{
+      vocab * d,                               // token_embedding
+      d, d * d, kv * d, kv * d, d * d, d,      // rms_att, wq, wk, wv, wo, rms_ffn
+      hidden * d, d * hidden, hidden * d,      // w1, w2, w3
+      d, freqs, freqs,                         // rms_final, freq_cis_real, freq_cis_imag
+      c.shared_classifier ? 0.0 : vocab * d};  // wcls
+  const std::array<double, tensor_count> slices{1, layers, layers, layers, layers, layers, layers,
+                                                layers, layers, layers, 1, 1, 1, 1};
+  double floats = 0;
+  for (std::size_t i = 0; i < tensor_count; ++i) floats += per_slice[i] * slices[i];
+  const std::uintmax_t file_bytes = std::filesystem::file_size(path);
+  const double expected_bytes = static_cast<double>(header_bytes) + 4.0 * floats;
+  TRIATTN_CHECK(static_cast<double>(file_bytes) == expected_bytes, api, path, ": file size ", file_bytes,
+                " bytes, expected ",
+                expected_bytes < 0x1p63 ? std::to_string(static_cast<std::int64_t>(expected_bytes)) : "over 2^63",
+                " for the header's dims");
+
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < tensor_count; ++i) {
+    m.offset_[i] = at;
+    m.slice_[i] = static_cast<std::size_t>(per_slice[i]);
+    at += static_cast<std::size_t>(per_slice[i] * slices[i]);
+  }
+  m.data_.resize(at);
+  in.read(reinterpret_cast<char*>(m.data_.data()), static_cast<std::streamsize>(at * sizeof(float)));
+  TRIATTN_CHECK(in.gcount() == static_cast<std::streamsize>(at * sizeof(float)), api, path, ": read ", in.gcount(),
+                " of ", at * sizeof(float), " weight bytes");
+  return m;
+}
+
+/// The llama2.c tokenizer (tok512.bin and the like): SentencePiece pieces with scores,
+/// byte fallback for ids 3..258, greedy highest-score merges.
+class tokenizer {
+ public:
+  /// Reads `path`, which holds `vocab_size` pieces (the file does not store the count).
+  /// Throws `triattn::error` for a truncated file, a negative piece length, or trailing bytes.
+  static tokenizer load(const std::filesystem::path& path, int vocab_size);
+
+  /// Token ids of `text` as run.c encodes them: [BOS], the " " dummy prefix when the text is
+  /// not empty, each UTF-8 code point as a piece or else as byte-fallback ids, then repeated
+  /// merges of the adjacent pair whose concatenation is the highest-scoring piece, [EOS].
+  std::vector<int> encode(std::string_view text, bool bos, bool eos) const;
+
+  /// The text of `token` when it follows `prev`: no leading space right after BOS, and a
+  /// byte-fallback piece `<0xHH>` is the raw byte HH.
+  std::string decode(int prev, int token) const;
+  /// The text of a token sequence that follows `prev` (by default: a text started at BOS).
+  std::string decode(std::span<const int> tokens, int prev = bos_id) const {
+    std::string out;
+    for (const int t : tokens) {
+      out += decode(prev, t);
+      prev = t;
+    }
+    return out;
+  }
+
+  int vocab_size() const { return static_cast<int>(pieces_.size()); }
+  const std::string& piece(int id) const { return pieces_.at(static_cast<std::size_t>(id)); }
+  float score(int id) const { return scores_.at(static_cast<std::size_t>(id)); }
+
+ private:
+  tokenizer() = default;  // only load() makes one
+
+  int lookup(const std::string& s) const {
+    const auto it = ids_.find(s);
+    return it == ids_.end() ? -1 : it->second;
+  }
+
+  std::vector<std::string> pieces_;  // [vocab]
+  std::vector<float> scores_;        // [vocab]
+  std::unordered_map<std::string, int> ids_;
+  int space_id_ = ' ' + 3;  // the dummy prefix " "; byte fallback if the vocab has no such piece
+};
+
+inline tokenizer tokenizer::load(const std::filesystem::path& path, int vocab_size) {
+  const char* api = "llama2c::tokenizer::load";
+  TRIATTN_CHECK(vocab_size >= 3, api, path, ": vocab_size ", vocab_size, " must be >= 3 (<unk>, BOS, EOS)");
+  const std::string bytes = read_file(path, api);
+  std::size_t at = 0;
+  // Copies the next `n` bytes into `out`; `id` is the token being read (-1: the header).
+  const auto take = [&](void* out, std::size_t n, int id) {
+    TRIATTN_CHECK(bytes.size() - at >= n, api, path, ": truncated: the file ends at byte ", bytes.size(), " inside ",
+                  id < 0 ? std::string("the header") : "token " + std::to_string(id), " of ", vocab_size);
+    std::memcpy(out, bytes.data() + at, n);
+    at += n;
+  };
+  std::int32_t max_token_length = 0;  // unused: pieces carry their own lengths
+  take(&max_token_length, sizeof(max_token_length), -1);
+
+  tokenizer t;
+  t.pieces_.resize(static_cast<std::size_t>(vocab_size));
+  t.scores_.resize(static_cast<std::size_t>(vocab_size));
+  for (int id = 0; id < vocab_size; ++id) {
+    std::int32_t len = 0;
+    take(&t.scores_[static_cast<std::size_t>(id)], sizeof(float), id);
+    take(&len, sizeof(len), id);
+    TRIATTN_CHECK(len >= 0, api, path, ": token ", id, " has a negative length ", len);
+    std::string& p = t.pieces_[static_cast<std::size_t>(id)];
+    p.resize(static_cast<std::size_t>(len));
+    take(p.data(), p.size(), id);
+    t.ids_.emplace(p, id);
+  }
+  TRIATTN_CHECK(at == bytes.size(), api, path, ": ", bytes.size() - at, " bytes follow the ", vocab_size,
+                " pieces; does vocab_size match the model?");
+  if (const int space = t.lookup(" "); space >= 0) t.space_id_ = space;
+  return t;
+}
+
+inline std::vector<int> tokenizer::encode(std::string_view text, bool bos, bool eos) const {
+  std::vector<int> ids;
+  ids.reserve(text.size() + 3);
+  if (bos) ids.push_back(bos_id);
+  if (!text.empty()) ids.push_back(space_id_);
+
+  // One code point (at most 4 bytes) at a time; a stray continuation byte extends the
+  // current buffer, exactly as run.c does.
+  std::string buf;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto is_continuation = [&](std::size_t j) { return (static_cast<unsigned char>(text[j]) & 0xC0) == 0x80; };
+    if (!is_continuation(i)) buf.clear();
+    buf.push_back(text[i]);
+    if (i + 1 < text.size() && is_continuation(i + 1) && buf.size() < 4) continue;
+    if (const int id = lookup(buf); id >= 0) {
+      ids.push_back(id);
+    } else {
+      for (const char b : buf) ids.push_back(static_cast<unsigned char>(b) + 3);
+    }
+    buf.clear();
+  }
+
+  std::string pair;
+  for (;;) {
+    float best_score = -1e10f;
+    int best_id = -1;
+    std::size_t best_at = 0;
+    for (std::size_t i = 0; i + 1 < ids.size(); ++i) {
+      pair = pieces_[static_cast<std::size_t>(ids[i])];
+      pair += pieces_[static_cast<std::size_t>(ids[i + 1])];
+      const int id = lookup(pair);
+      if (id >= 0 && scores_[static_cast<std::size_t>(id)] > best_score) {
+        best_score = scores_[static_cast<std::size_t>(id)];
+        best_id = id;
+        best_at = i;
+      }
+    }
+    if (best_id < 0) break;
+    ids[best_at] = best_id;
+    ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
+  }
+  if (eos) ids.push_back(eos_id);
+  return ids;
+}
+
+inline std::string tokenizer::decode(int prev, int token) const {
+  TRIATTN_CHECK(token >= 0 && token < vocab_size(), "llama2c::tokenizer::decode", "token ", token,
+                " is outside [0, vocab_size ", vocab_size(), ")");
+  std::string_view p = pieces_[static_cast<std::size_t>(token)];
+  if (prev == bos_id && p.starts_with(' ')) p.remove_prefix(1);
+  if (p.size() == 6 && p.starts_with("<0x") && p.ends_with('>')) {
+    unsigned byte = 0;
+    const auto [end, ec] = std::from_chars(p.data() + 3, p.data() + 5, byte, 16);
+    if (ec == std::errc() && end == p.data() + 5) return std::string(1, static_cast<char>(byte));
+  }
+  return std::string(p);
+}
+
+/// Receives what the attention of every (layer, q-head) saw, once per token. For policies
+/// that learn from attention (H2O, calibration of TriAttention).
+struct observer {
+  virtual ~observer() = default;
+  /// `q_post_rope` [head_dim] is the query of the token at `position`; `probs` [length] are
+  /// its softmax weights over the slots its kv head holds (the new token's slot last).
+  virtual void on_attention(int layer, int q_head, std::int32_t position, std::span<const float> q_post_rope,
+                            std::span<const float> probs) = 0;
+};
+
+namespace detail {
+
+// out[i] = Σ_j w[i][j] x[j], accumulated in float in order, as run.c does. w: [rows, cols]
+inline void matvec(float* out, const float* w, const float* x, int rows, int cols) {
+  for (int i = 0; i < rows; ++i) {
+    const float* row = w + static_cast<std::ptrdiff_t>(i) * cols;
+    float acc = 0.0f;
+    for (int j = 0; j < cols; ++j) acc += row[j] * x[j];
+    out[i] = acc;
+  }
+}
+
+inline void rmsnorm(float* out, const float* x, const float* gain, int n) {
+  float ss = 0.0f;
+  for (int i = 0; i < n; ++i) ss += x[i] * x[i];
+  ss = 1.0f / std::sqrt(ss / static_cast<float>(n) + 1e-5f);
+  for (int i = 0; i < n; ++i) out[i] = gain[i] * (ss * x[i]);
+}
+
+inline void softmax(float* x, std::int64_t n) {
+  const float max = *std::max_element(x, x + n);
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - max);
+    sum += x[i];
+  }
+  for (std::int64_t i = 0; i < n; ++i) x[i] /= sum;
+}
+
+}  // namespace detail
+
+/// One sequence: its KV cache and the forward pass. The model must outlive the session.
+///
+/// The cache holds `capacity` slots per (layer, kv_head). `forward` appends the token's K and
+/// V to every (layer, kv_head) and attends over the slots each kv head holds, so a compressed
+/// cache (through `view()`, with any triattn policy) is used as it is, per head.
+class session {
+ public:
+  session(const model& m, std::int64_t capacity);
+  session(const session&) = delete;  // view() hands out pointers into this object
+  session& operator=(const session&) = delete;
+  session(session&&) noexcept = default;  // the cache's heap buffers, and so the view's pointers, move along
+  session& operator=(session&&) noexcept = default;
+
+  /// Runs `token` at position `position()`, appends its post-RoPE K and V, and returns the
+  /// logits [vocab] (valid until the next call). Throws `triattn::error`, with the session
+  /// unchanged, when a (layer, kv_head) is full or the token is out of range.
+  std::span<const float> forward(int token);
+
+  /// The cache as a triattn view (f32, NHD, post-RoPE keys, interleaved RoPE).
+  triattn::dense_kv_view view() {
+    triattn::dense_kv_view v;
+    v.geo = geometry_;
+    v.k_layers = k_bases_.data();
+    v.v_layers = v_bases_.data();
+    v.k_stride = v.v_stride = triattn::kv_strides::nhd(cfg_.n_kv_heads, cfg_.head_dim);
+    v.slots = {lengths_.data(), positions_.data(), capacity_};
+    return v;
+  }
+
+  /// Slots held by (layer, kv_head).
+  std::int32_t length(int layer, int kv_head) const { return lengths_[slot_row(layer, kv_head)]; }
+  /// The token position held by slot `s` of (layer, kv_head).
+  std::int32_t slot_position(int layer, int kv_head, std::int64_t s) const {
+    return positions_[slot_row(layer, kv_head) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(s)];
+  }
+  std::int64_t capacity() const { return capacity_; }
+  /// Tokens processed so far: the position of the next token.
+  std::int64_t position() const { return position_; }
+  /// K and V bytes the cache holds now.
+  std::int64_t kv_bytes() const {
+    std::int64_t slots = 0;
+    for (const std::int32_t n : lengths_) slots += n;
+    return slots * row_bytes();
+  }
+  /// K and V bytes of an uncompressed cache of `tokens` tokens.
+  std::int64_t full_kv_bytes(std::int64_t tokens) const {
+    return tokens * cfg_.n_layers * cfg_.n_kv_heads * row_bytes();
+  }
+
+  /// Calls `o` (nullptr: nobody) for every (layer, q-head) of every forward.
+  void set_observer(observer* o) { observer_ = o; }
+  /// Empties the cache; the next token is at position 0.
+  void reset() {
+    std::fill(lengths_.begin(), lengths_.end(), 0);
+    position_ = 0;
+  }
+
+ private:
+  std::size_t slot_row(int layer, int kv_head) const {
+    return static_cast<std::size_t>(layer) * static_cast<std::size_t>(cfg_.n_kv_heads) +
+           static_cast<std::size_t>(kv_head);
+  }
+  // K and V of one slot of one head.
+  std::int64_t row_bytes() const { return std::int64_t{cfg_.head_dim} * 2 * static_cast<std::int64_t>(sizeof(float)); }
+  // Offset of the row (layer, kv_head, slot) in k_cache_ / v_cache_.
+  std::size_t row(int layer, int kv_head, std::int64_t slot) const {
+    return ((static_cast<std::size_t>(layer) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(slot)) *
+                static_cast<std::size_t>(cfg_.n_kv_heads) +
+            static_cast<std::size_t>(kv_head)) *
+           static_cast<std::size_t>(cfg_.head_dim);
+  }
+
+  const model* model_;
+  llama2c::config cfg_;
+  triattn::kv_geometry geometry_;
+  std::int64_t capacity_;
+  std::int64_t position_ = 0;
+  std::vector<float> k_cache_, v_cache_;      // [layers, capacity, kv_heads, head_dim]
+  std::vector<std::int32_t> lengths_;         // [layers, kv_heads]
+  std::vector<std::int32_t> positions_;       // [layers, kv_heads, capacity]
+  std::vector<std::byte*> k_bases_, v_bases_;  // [layers] what the view's k_layers / v_layers point at
+  // Activations of one token, allocated once.
+  std::vector<float> x_, xb_, xb2_, q_, k_, v_, hb_, hb2_, logits_;  // [dim] x3, [dim], [kv_dim] x2, [hidden] x2, [vocab]
+  std::vector<float> att_;                                           // [capacity]
+  observer* observer_ = nullptr;
+};
+
+inline session::session(const model& m, std::int64_t capacity)
+    : model_(&m), cfg_(m.config()), capacity_(capacity) {
+  TRIATTN_CHECK(capacity >= 1 && capacity <= std::numeric_limits<std::int32_t>::max(), "llama2c::session", "capacity ",
+                capacity, " must be in [1, 2^31)");
+  geometry_.num_layers = cfg_.n_layers;
+  geometry_.num_q_heads = cfg_.n_heads;
+  geometry_.num_kv_heads = cfg_.n_kv_heads;
+  geometry_.head_dim = cfg_.head_dim;
+  geometry_.type = triattn::dtype::f32;
+  geometry_.keys = triattn::key_state::post_rope;
+  geometry_.rope.style = triattn::rope_style::interleaved;  // llama2.c pairs (2j, 2j+1)
+  geometry_.rope.rotary_dim = 0;
+  geometry_.rope.theta = 10000.0;
+
+  const auto layers = static_cast<std::size_t>(cfg_.n_layers);
+  const auto heads = static_cast<std::size_t>(cfg_.n_kv_heads);
+  const auto cap = static_cast<std::size_t>(capacity);
+  k_cache_.resize(layers * cap * heads * static_cast<std::size_t>(cfg_.head_dim));
+  v_cache_.resize(k_cache_.size());
+  lengths_.assign(layers * heads, 0);
+  positions_.assign(layers * heads * cap, 0);
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    k_bases_.push_back(reinterpret_cast<std::byte*>(k_cache_.data() + row(l, 0, 0)));
+    v_bases_.push_back(reinterpret_cast<std::byte*>(v_cache_.data() + row(l, 0, 0)));
+  }
+  const auto dim = static_cast<std::size_t>(cfg_.dim);
+  for (auto* buf : {&x_, &xb_, &xb2_, &q_}) buf->resize(dim);
+  k_.resize(static_cast<std::size_t>(cfg_.kv_dim));
+  v_.resize(k_.size());
+  hb_.resize(static_cast<std::size_t>(cfg_.hidden_dim));
+  hb2_.resize(hb_.size());
+  logits_.resize(static_cast<std::size_t>(cfg_.vocab_size));
+  att_.resize(cap);
+}
+
+inline std::span<const float> session::forward(int token) {
+  const char* api = "llama2c::session::forward";
+  TRIATTN_CHECK(token >= 0 && token < cfg_.vocab_size, api, "token ", token, " is outside [0, vocab_size ",
+                cfg_.vocab_size, ")");
+  TRIATTN_CHECK(position_ < std::numeric_limits<std::int32_t>::max(), api, "position ", position_,
+                " does not fit the cache's int32 positions");
+  for (int l = 0; l < cfg_.n_layers; ++l)
+    for (int g = 0; g < cfg_.n_kv_heads; ++g)
+      TRIATTN_CHECK(length(l, g) < capacity_, api, "cache full: layer ", l, " kv_head ", g, " holds all ", capacity_,
+                    " slots; compress it or make the session larger");
+
+  const model& m = *model_;
+  const int dim = cfg_.dim, hd = cfg_.head_dim, group = cfg_.n_heads / cfg_.n_kv_heads;
+  const auto pos = static_cast<std::int32_t>(position_);
+  // run.c divides by sqrtf(head_size); dividing (not multiplying by the reciprocal) keeps its bits.
+  const float scale = std::sqrt(static_cast<float>(hd));
+  float* x = x_.data();
+  std::copy_n(m.weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(token) * dim, dim, x);
+
+  for (int l = 0; l < cfg_.n_layers; ++l) {
+    detail::rmsnorm(xb_.data(), x, m.weights(tensor::rms_att, l).data(), dim);
+    detail::matvec(q_.data(), m.weights(tensor::wq, l).data(), xb_.data(), dim, dim);
+    detail::matvec(k_.data(), m.weights(tensor::wk, l).data(), xb_.data(), cfg_.kv_dim, dim);
+    detail::matvec(v_.data(), m.weights(tensor::wv, l).data(), xb_.data(), cfg_.kv_dim, dim);
+    for (int h = 0; h < cfg_.n_heads; ++h) triattn::rope_rotate(geometry_.rope, q_.data() + h * hd, hd, pos);
+
+    for (int g = 0; g < cfg_.n_kv_heads; ++g) {
+      float* k = k_.data() + g * hd;
+      triattn::rope_rotate(geometry_.rope, k, hd, pos);
+      const std::int32_t s = lengths_[slot_row(l, g)]++;
+      std::copy_n(k, hd, k_cache_.data() + row(l, g, s));
+      std::copy_n(v_.data() + g * hd, hd, v_cache_.data() + row(l, g, s));
+      positions_[slot_row(l, g) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(s)] = pos;
+    }
+
+    // Attention: q-head h reads kv head h / group, over the slots that head holds.
+    for (int h = 0; h < cfg_.n_heads; ++h) {
+      const int g = h / group;
+      const std::int32_t n = length(l, g);
+      const float* q = q_.data() + h * hd;
+      float* att = att_.data();
+      for (std::int32_t t = 0; t < n; ++t) {
+        const float* k = k_cache_.data() + row(l, g, t);
+        float dot = 0.0f;
+        for (int d = 0; d < hd; ++d) dot += q[d] * k[d];
+        att[t] = dot / scale;
+      }
+      detail::softmax(att, n);
+      if (observer_ != nullptr)
+        observer_->on_attention(l, h, pos, {q, static_cast<std::size_t>(hd)}, {att, static_cast<std::size_t>(n)});
+      float* out = xb_.data() + h * hd;
+      std::fill_n(out, hd, 0.0f);
+      for (std::int32_t t = 0; t < n; ++t) {
+        const float* v = v_cache_.data() + row(l, g, t);
+        for (int d = 0; d < hd; ++d) out[d] += att[t] * v[d];
+      }
+    }
+    detail::matvec(xb2_.data(), m.weights(tensor::wo, l).data(), xb_.data(), dim, dim);
+    for (int i = 0; i < dim; ++i) x[i] += xb2_[static_cast<std::size_t>(i)];
+
+    // Feed-forward: w2 (silu(w1 x) * (w3 x)).
+    detail::rmsnorm(xb_.data(), x, m.weights(tensor::rms_ffn, l).data(), dim);
+    detail::matvec(hb_.data(), m.weights(tensor::w1, l).data(), xb_.data(), cfg_.hidden_dim, dim);
+    detail::matvec(hb2_.data(), m.weights(tensor::w3, l).data(), xb_.data(), cfg_.hidden_dim, dim);
+    for (std::size_t i = 0; i < hb_.size(); ++i) hb_[i] = hb_[i] * (1.0f / (1.0f + std::exp(-hb_[i]))) * hb2_[i];
+    detail::matvec(xb_.data(), m.weights(tensor::w2, l).data(), hb_.data(), dim, cfg_.hidden_dim);
+    for (int i = 0; i < dim; ++i) x[i] += xb_[static_cast<std::size_t>(i)];
+  }
+  detail::rmsnorm(x, x, m.weights(tensor::rms_final).data(), dim);
+  detail::matvec(logits_.data(), m.weights(tensor::wcls).data(), x, cfg_.vocab_size, dim);
+  ++position_;
+  return logits_;
+}
+
+/// Index of the largest logit; the first one on ties, as run.c's argmax.
+inline int argmax(std::span<const float> logits) {
+  return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+/// KL(p || q) in nats between the softmax distributions of two logit vectors, in double.
+inline double kl_divergence(std::span<const float> p_logits, std::span<const float> q_logits) {
+  TRIATTN_CHECK(p_logits.size() == q_logits.size() && !p_logits.empty(), "llama2c::kl_divergence", "logit vectors of ",
+                p_logits.size(), " and ", q_logits.size(), " entries");
+  // log-sum-exp of each vector, then Σ p_i (log p_i - log q_i) with no buffer.
+  const auto lse = [](std::span<const float> z) {
+    const double max = *std::max_element(z.begin(), z.end());
+    double sum = 0.0;
+    for (const float v : z) sum += std::exp(v - max);
+    return max + std::log(sum);
+  };
+  const double lp = lse(p_logits), lq = lse(q_logits);
+  double kl = 0.0;
+  for (std::size_t i = 0; i < p_logits.size(); ++i) {
+    const double log_p = p_logits[i] - lp;
+    kl += std::exp(log_p) * (log_p - (q_logits[i] - lq));
+  }
+  return kl;
+}
+
+/// Token windows of a text (the "Calibration windows" of spec/cli.md): the text splits into
+/// paragraphs at blank lines; each paragraph is BOS + its tokens (with the dummy prefix);
+/// paragraphs are concatenated until the window holds `window_tokens` tokens, and the last
+/// one is cut there, so every window starts with a new paragraph. Returns at most
+/// `max_windows` windows of exactly `window_tokens` tokens; a short tail is dropped.
+inline std::vector<std::vector<int>> text_windows(const tokenizer& tok, std::string_view text, int window_tokens,
+                                                  int max_windows) {
+  const char* api = "llama2c::text_windows";
+  TRIATTN_CHECK(window_tokens >= 1, api, "window_tokens ", window_tokens, " must be >= 1");
+  TRIATTN_CHECK(max_windows >= 1, api, "max_windows ", max_windows, " must be >= 1");
+  const auto window_size = static_cast<std::size_t>(window_tokens);
+  constexpr std::string_view blank = " \t\r\f\v";
+  std::vector<std::vector<int>> windows;
+  std::vector<int> window;
+  std::string paragraph;
+  const auto end_paragraph = [&] {
+    const auto first = paragraph.find_first_not_of(blank);
+    if (first == std::string::npos) return;
+    const auto last = paragraph.find_last_not_of(blank);
+    window.push_back(bos_id);
+    const std::vector<int> ids = tok.encode(std::string_view(paragraph).substr(first, last + 1 - first), false, false);
+    window.insert(window.end(), ids.begin(), ids.end());
+    paragraph.clear();
+    if (window.size() >= window_size) {
+      window.resize(window_size);
+      windows.push_back(std::move(window));
+      window.clear();
+    }
+  };
+  while (!text.empty() && windows.size() < static_cast<std::size_t>(max_windows)) {
+    const std::size_t eol = std::min(text.find('\n'), text.size());
+    std::string_view line = text.substr(0, eol);
+    text.remove_prefix(std::min(eol + 1, text.size()));
+    if (line.ends_with('\r')) line.remove_suffix(1);  // CRLF text
+    if (line.find_first_not_of(blank) == std::string_view::npos) {
+      end_paragraph();
+    } else {
+      if (!paragraph.empty()) paragraph += '\n';
+      paragraph += line;
+    }
+  }
+  if (windows.size() < static_cast<std::size_t>(max_windows)) end_paragraph();
+  return windows;
+}
+
+}  // namespace llama2c

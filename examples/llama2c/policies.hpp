@@ -1,0 +1,100 @@
+/// \file llama2c/policies.hpp
+/// \brief triattn policies picked by name at run time, behind one type, for the demo and the
+/// tools that drive a `llama2c::session`.
+///
+/// To add a policy: one line in `policy_registry`. `any_policy` forwards `plan`, `state` and
+/// `after_compact`, so it is itself a triattn policy: `triattn::compress` and
+/// `triattn::maybe_compress` take it like the policy it wraps.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "triattn/core/compaction.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/policies/policy.hpp"
+#include "triattn/policies/streaming_llm.hpp"
+
+namespace llama2c {
+
+/// Any triattn policy over dense views, type-erased.
+class any_policy : public triattn::policy_base<any_policy> {
+ public:
+  template <class P>
+    requires triattn::compression_policy<P, triattn::dense_kv_view>
+  explicit any_policy(P policy) : self_(std::make_unique<holder<P>>(std::move(policy))) {}
+
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) {
+    return self_->plan(view, budget);
+  }
+  std::vector<triattn::slot_state> state() { return self_->state(); }
+  void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) {
+    self_->after_compact(view, plan);
+  }
+
+ private:
+  struct base {
+    virtual ~base() = default;
+    virtual triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) = 0;
+    virtual std::vector<triattn::slot_state> state() = 0;
+    virtual void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) = 0;
+  };
+  // The optional hooks become no-ops for policies without them, as in triattn::compress.
+  template <class P>
+  struct holder final : base {
+    P policy;
+    explicit holder(P p) : policy(std::move(p)) {}
+    triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) override {
+      return policy.plan(view, budget);
+    }
+    std::vector<triattn::slot_state> state() override {
+      if constexpr (requires(P& p) { p.state(); }) {
+        return policy.state();
+      } else {
+        return {};
+      }
+    }
+    void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) override {
+      if constexpr (requires(P& p) { p.after_compact(view, plan); }) policy.after_compact(view, plan);
+    }
+  };
+  std::unique_ptr<base> self_;
+};
+
+/// One name of the registry. `make` is null for `full`, the uncompressed reference.
+struct policy_entry {
+  std::string_view name;
+  std::string_view summary;
+  any_policy (*make)();
+
+  /// A fresh policy, or std::nullopt for `full`.
+  std::optional<any_policy> create() const { return make != nullptr ? std::optional(make()) : std::nullopt; }
+};
+
+inline constexpr std::array policy_registry{
+    policy_entry{"full", "no compression: the reference cache", nullptr},
+    policy_entry{"streaming_llm", "4 attention sinks + the most recent tokens (Xiao et al. 2023)",
+                 [] { return any_policy(triattn::streaming_llm{}); }},
+};
+
+/// The entry called `name`, or nullptr.
+inline const policy_entry* find_policy(std::string_view name) {
+  for (const policy_entry& e : policy_registry)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+/// "full, streaming_llm, ...": the known names, for messages.
+inline std::string policy_names() {
+  std::string out;
+  for (const policy_entry& e : policy_registry) out += (out.empty() ? "" : ", ") + std::string(e.name);
+  return out;
+}
+
+}  // namespace llama2c
