@@ -10,5 +10,8 @@
 #include "triattn/core/rope.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/io/json.hpp"
+#include "triattn/io/npy.hpp"
+#include "triattn/io/safetensors.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/streaming_llm.hpp"
