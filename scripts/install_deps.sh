@@ -3,7 +3,7 @@
 # sudo on the machine) and as a user with sudo. CUDA is optional and not installed here: the
 # CUDA path is built when nvcc is already on the machine.
 set -euo pipefail
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev)
+packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy)
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 missing=()

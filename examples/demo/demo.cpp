@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "llama2c/calibration.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
 #include "triattn/triattn.hpp"
@@ -32,19 +33,22 @@ namespace {
 namespace fs = std::filesystem;
 
 struct options {
-  std::vector<std::string> policies{"full", "streaming_llm"};
+  std::vector<std::string> policies{"full", "streaming_llm", "triattention"};
   std::int64_t budget = 64;
   std::int64_t slack = 16;
   int steps = 256;
   fs::path model, tokenizer;
+  fs::path stats;        ///< TriAttention statistics; calibrated here when empty
+  fs::path calibration;  ///< text to calibrate on when no --stats is given
+  int calibration_windows = 20;
 
   triattn::schedule schedule() const { return triattn::schedule::with_slack(slack); }
 };
 
-// A model file of the bundled data folder, or an empty path when none was configured.
-fs::path default_data_file(const char* name) {
+// A file of the bundled data folder, or an empty path when none was configured.
+fs::path default_data_file(const fs::path& name) {
   const fs::path dir = TRIATTN_DEFAULT_DATA_DIR;
-  return dir.empty() ? fs::path() : dir / "models" / "stories260K" / name;
+  return dir.empty() ? fs::path() : dir / name;
 }
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -63,6 +67,9 @@ void print_help() {
       "  --steps N         tokens to generate; stops early when the story ends (default 256)\n"
       "  --model PATH      llama2.c checkpoint (default: stories260K.bin of TRIATTN_DATA_DIR)\n"
       "  --tokenizer PATH  its tokenizer (default: tok512.bin next to the default model)\n"
+      "  --stats PATH      TriAttention statistics (`triattn calibrate`); without it the demo\n"
+      "                    calibrates first on --calibration-text (default: the data folder's\n"
+      "                    tinystories_train_head.txt), --calibration-windows windows (default 20)\n"
       "  --help            this text\n\n"
       "policies:\n");
   for (const llama2c::policy_entry& e : llama2c::policy_registry)
@@ -94,8 +101,9 @@ std::vector<std::string> split_policies(std::string_view list) {
 
 options parse(int argc, char** argv) {
   options o;
-  o.model = default_data_file("stories260K.bin");
-  o.tokenizer = default_data_file("tok512.bin");
+  o.model = default_data_file("models/stories260K/stories260K.bin");
+  o.tokenizer = default_data_file("models/stories260K/tok512.bin");
+  o.calibration = default_data_file("data/tinystories_train_head.txt");
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -125,6 +133,12 @@ options parse(int argc, char** argv) {
       o.model = value;
     } else if (arg == "--tokenizer") {
       o.tokenizer = value;
+    } else if (arg == "--stats") {
+      o.stats = value;
+    } else if (arg == "--calibration-text") {
+      o.calibration = value;
+    } else if (arg == "--calibration-windows") {
+      o.calibration_windows = parse_int<int>(arg, value, 1);
     } else {
       usage_error("unknown option " + std::string(arg));
     }
@@ -140,10 +154,11 @@ options parse(int argc, char** argv) {
     std::fprintf(stderr, "triattn_demo: %s file not found: \"%s\"\n", what, file.string().c_str());
   }
   std::fprintf(stderr,
-               "  The model is not in the repository. Point the CMake cache variable TRIATTN_DATA_DIR at a\n"
-               "  folder holding models/stories260K/{stories260K.bin,tok512.bin} and rebuild, or pass\n"
-               "  --model and --tokenizer. Upstream files: https://huggingface.co/karpathy/tinyllamas\n"
-               "  (folder stories260K: stories260K.bin, tok512.bin).\n");
+               "  The model and text are not in the repository. Point the CMake cache variable\n"
+               "  TRIATTN_DATA_DIR at a folder holding models/stories260K/{stories260K.bin,tok512.bin} and\n"
+               "  data/tinystories_train_head.txt and rebuild, or pass --model, --tokenizer and --stats.\n"
+               "  Upstream: https://huggingface.co/karpathy/tinyllamas (folder stories260K: stories260K.bin,\n"
+               "  tok512.bin); the TinyStories dataset (roneneldan/TinyStories on the Hugging Face hub).\n");
   std::exit(2);
 }
 
@@ -159,8 +174,9 @@ struct run_result {
 };
 
 // Greedy decoding from BOS with `name`'s cache; the full-cache session reads the same tokens.
-run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std::string& name, const options& o) {
-  std::optional<llama2c::any_policy> policy = llama2c::find_policy(name)->create();
+run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std::string& name, const options& o,
+               const llama2c::policy_inputs& inputs) {
+  std::optional<llama2c::any_policy> policy = llama2c::find_policy(name)->create(inputs);
   const triattn::schedule sched = o.schedule();
   const auto start = std::chrono::steady_clock::now();
   llama2c::session full(m, o.steps);
@@ -214,6 +230,16 @@ void print_story(const std::string& text) {
   }
 }
 
+// TriAttention's statistics: from --stats, or calibrated now on text the story is not from.
+triattn::query_stats load_or_calibrate(const llama2c::model& m, const llama2c::tokenizer& tok, const options& o) {
+  if (!o.stats.empty()) return triattn::load_stats(o.stats);
+  if (o.calibration.empty() || !fs::is_regular_file(o.calibration))
+    missing_data("calibration text", o.calibration);
+  std::printf("calibrating TriAttention on %d windows of %s (save stats once with `triattn calibrate`)\n",
+              o.calibration_windows, o.calibration.filename().string().c_str());
+  return llama2c::calibrate(m, tok, llama2c::read_file(o.calibration), o.calibration_windows);
+}
+
 void print_table(const std::vector<run_result>& results) {
   std::printf("\n%-16s %6s %12s %12s %7s %7s %10s %9s\n", "policy", "tokens", "peak KV", "full KV", "saved", "rounds",
               "mean KL", "wall");
@@ -239,9 +265,15 @@ int main(int argc, char** argv) {
                 o.steps, static_cast<long long>(o.budget),
                 static_cast<long long>(o.schedule().peak_tokens(o.budget)));
 
+    std::optional<triattn::query_stats> stats;
+    if (std::any_of(o.policies.begin(), o.policies.end(),
+                    [](const std::string& n) { return llama2c::find_policy(n)->needs_stats; }))
+      stats = load_or_calibrate(m, tok, o);
+    const llama2c::policy_inputs inputs{stats ? &*stats : nullptr};
+
     std::vector<run_result> results;
     for (const std::string& name : o.policies) {
-      const run_result& r = results.emplace_back(run(m, tok, name, o));
+      const run_result& r = results.emplace_back(run(m, tok, name, o, inputs));
       std::printf("\n== %s: %s ==\n", name.c_str(), std::string(llama2c::find_policy(name)->summary).c_str());
       print_story(r.text);
       std::printf("  %d tokens | peak KV %.1f KiB vs %.1f KiB full (%.1f%% saved) | %d rounds | mean KL %.5f | %.1f ms\n",

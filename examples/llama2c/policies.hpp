@@ -2,8 +2,8 @@
 /// \brief triattn policies picked by name at run time, behind one type, for the demo and the
 /// tools that drive a `llama2c::session`.
 ///
-/// To add a policy: one line in `policy_registry`. `any_policy` forwards `plan`, `state` and
-/// `after_compact`, so it is itself a triattn policy: `triattn::compress` and
+/// To add a policy: one line in `policy_registry`. `any_policy` forwards `plan`, `state`,
+/// `after_compact` and `set_position`, so it is itself a triattn policy: `triattn::compress` and
 /// `triattn::maybe_compress` take it like the policy it wraps.
 #pragma once
 
@@ -16,10 +16,13 @@
 #include <utility>
 #include <vector>
 
+#include "triattn/calibration/query_stats.hpp"
 #include "triattn/core/compaction.hpp"
+#include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/streaming_llm.hpp"
+#include "triattn/policies/triattention.hpp"
 
 namespace llama2c {
 
@@ -37,6 +40,7 @@ class any_policy : public triattn::policy_base<any_policy> {
   void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) {
     self_->after_compact(view, plan);
   }
+  void set_position(std::int64_t next_position) { self_->set_position(next_position); }
 
  private:
   struct base {
@@ -44,6 +48,7 @@ class any_policy : public triattn::policy_base<any_policy> {
     virtual triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) = 0;
     virtual std::vector<triattn::slot_state> state() = 0;
     virtual void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) = 0;
+    virtual void set_position(std::int64_t next_position) = 0;
   };
   // The optional hooks become no-ops for policies without them, as in triattn::compress.
   template <class P>
@@ -63,24 +68,42 @@ class any_policy : public triattn::policy_base<any_policy> {
     void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) override {
       if constexpr (requires(P& p) { p.after_compact(view, plan); }) policy.after_compact(view, plan);
     }
+    void set_position(std::int64_t next_position) override {
+      if constexpr (requires(P& p) { p.set_position(next_position); }) policy.set_position(next_position);
+    }
   };
   std::unique_ptr<base> self_;
+};
+
+/// What some policies need besides the cache: TriAttention's calibration statistics.
+struct policy_inputs {
+  const triattn::query_stats* stats = nullptr;
 };
 
 /// One name of the registry. `make` is null for `full`, the uncompressed reference.
 struct policy_entry {
   std::string_view name;
   std::string_view summary;
-  any_policy (*make)();
+  any_policy (*make)(const policy_inputs&);
+  bool needs_stats = false;
 
-  /// A fresh policy, or std::nullopt for `full`.
-  std::optional<any_policy> create() const { return make != nullptr ? std::optional(make()) : std::nullopt; }
+  /// A fresh policy, or std::nullopt for `full`. Throws `triattn::error` when the policy
+  /// needs statistics and `in` has none.
+  std::optional<any_policy> create(const policy_inputs& in = {}) const {
+    TRIATTN_CHECK(!needs_stats || in.stats != nullptr, "llama2c::policy_entry::create", "policy ", name,
+                  " needs calibration statistics (--stats)");
+    return make != nullptr ? std::optional(make(in)) : std::nullopt;
+  }
 };
 
 inline constexpr std::array policy_registry{
     policy_entry{"full", "no compression: the reference cache", nullptr},
     policy_entry{"streaming_llm", "4 attention sinks + the most recent tokens (Xiao et al. 2023)",
-                 [] { return any_policy(triattn::streaming_llm{}); }},
+                 [](const policy_inputs&) { return any_policy(triattn::streaming_llm{}); }},
+    policy_entry{"triattention",
+                 "calibrated query centres predict attention from distance (paper defaults: one keep set per KV "
+                 "head, offsets to 65536)",
+                 [](const policy_inputs& in) { return any_policy(triattn::triattention(*in.stats)); }, true},
 };
 
 /// The entry called `name`, or nullptr.

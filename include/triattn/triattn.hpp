@@ -2,6 +2,9 @@
 /// \brief Umbrella header: every host-side public header of triattn.
 #pragma once
 
+#include "triattn/calibration/accumulator.hpp"
+#include "triattn/calibration/query_stats.hpp"
+#include "triattn/calibration/stats_file.hpp"
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/config.hpp"
 #include "triattn/core/dtype.hpp"
@@ -15,3 +18,5 @@
 #include "triattn/io/safetensors.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/streaming_llm.hpp"
+#include "triattn/policies/triattention.hpp"
+#include "triattn/policies/triattention_math.hpp"

@@ -44,6 +44,9 @@ struct rope_desc {
   double theta = 10000.0;    ///< base
   rope_scaling scaling{};
   double attention_scale = 1.0;  ///< a: HF's `attention_scaling` (YaRN mscale), multiplies cos and sin
+  /// Explicit w_f [rotary_dim/2] that overrides theta and scaling when set: for RoPE variants
+  /// given as a table (a stats file's `inv_freq`, LongRoPE). Not owned; must outlive the desc.
+  const double* inv_freq_table = nullptr;
 };
 
 namespace detail {
@@ -60,9 +63,10 @@ TRIATTN_HOST_DEVICE int rotary_dims(const rope_desc& r, int head_dim) {
   return r.rotary_dim > 0 ? r.rotary_dim : head_dim;
 }
 
-/// Inverse frequency w_f of band f of `dim` rotated dims, by Hugging Face's formulas
-/// (`_compute_default/linear/llama3/yarn_parameters`), in double precision.
+/// Inverse frequency w_f of band f of `dim` rotated dims: `inv_freq_table[f]` when given, else
+/// Hugging Face's formulas (`_compute_default/linear/llama3/yarn_parameters`), in double.
 TRIATTN_HOST_DEVICE double inv_freq(const rope_desc& r, int dim, int f) {
+  if (r.inv_freq_table != nullptr) return r.inv_freq_table[f];
   const double base = std::pow(r.theta, -2.0 * f / dim);
   const rope_scaling& s = r.scaling;
   switch (s.type) {
@@ -165,7 +169,7 @@ inline void validate_rope(const char* api, const rope_desc& r, int head_dim) {
   const int dim = rotary_dims(r, head_dim);
   TRIATTN_CHECK(dim % 2 == 0 && dim <= head_dim, api, "rotary_dim ", r.rotary_dim,
                 " must be even and <= head_dim ", head_dim);
-  TRIATTN_CHECK(r.theta > 1.0, api, "rope theta ", r.theta, " must be > 1");
+  TRIATTN_CHECK(r.inv_freq_table != nullptr || r.theta > 1.0, api, "rope theta ", r.theta, " must be > 1");
   TRIATTN_CHECK(r.attention_scale > 0.0, api, "rope attention_scale ", r.attention_scale, " must be > 0");
   TRIATTN_CHECK(r.scaling.type == rope_scaling_type::none || r.scaling.factor > 0.0, api,
                 "rope scaling factor ", r.scaling.factor, " must be > 0");

@@ -42,7 +42,8 @@ compaction_result compress(P& policy, const V& view, std::int64_t budget) {
   return result;
 }
 
-/// Runs a round when `sched` says so. `position` is the number of tokens processed so far.
+/// Runs a round when `sched` says so. `position` is the number of tokens processed so far (the
+/// position of the next token); a policy with `set_position(position)` is given it first.
 /// Returns whether a round ran; freed pages (paged views) are appended to `freed` if given.
 template <class P, KVCacheView V>
   requires compression_policy<P, V>
@@ -50,6 +51,8 @@ bool maybe_compress(P& policy, const V& view, std::int64_t budget, const schedul
                     std::vector<std::int32_t>* freed = nullptr) {
   view.validate("triattn::maybe_compress");  // max_length reads the lengths: check the view first
   if (!sched.should_compress(max_length(view), budget, position)) return false;
+  // Policies that depend on the round's position (TriAttention's round start) receive it here.
+  if constexpr (requires { policy.set_position(position); }) policy.set_position(position);
   compaction_result r = compress(policy, view, budget);
   if (freed != nullptr) freed->insert(freed->end(), r.freed_pages.begin(), r.freed_pages.end());
   return true;

@@ -1,0 +1,171 @@
+// Shared by the tests of tests/tools: running the `triattn` executable (TRIATTN_TEST_CLI) as a
+// user does, through the shell, with stdout and stderr captured into files; a scratch folder
+// per test; the converter (TRIATTN_TEST_PYTHON, TRIATTN_TEST_CONVERTER) where a test needs it.
+#pragma once
+
+#include <catch2/catch.hpp>
+#include <sys/wait.h>  // WIFEXITED / WEXITSTATUS of std::system
+#include <unistd.h>    // getpid
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace triattn_test::cli {
+
+namespace fs = std::filesystem;
+
+inline std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (const char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+/// The exit status of a shell command; -1 when it did not exit normally (killed by a signal).
+inline int system_status(const std::string& command) {
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+inline std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+inline std::vector<std::byte> read_bytes(const fs::path& p) {
+  const std::string s = read_text(p);
+  std::vector<std::byte> out(s.size());
+  std::transform(s.begin(), s.end(), out.begin(), [](char c) { return static_cast<std::byte>(c); });
+  return out;
+}
+
+inline void write_bytes(const fs::path& p, const std::vector<std::byte>& bytes) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(out.good());
+}
+
+/// A fresh, empty folder under the system's temp folder, removed with its contents at the end
+/// of the scope (kept when TRIATTN_TEST_KEEP_TMP=1, to look at after a failure).
+class scratch_dir {
+ public:
+  explicit scratch_dir(const std::string& tag) {
+    std::random_device rd;
+    for (int attempt = 0;; ++attempt) {
+      path_ = fs::temp_directory_path() /
+              ("triattn_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(rd()));
+      if (fs::create_directory(path_)) break;
+      REQUIRE(attempt < 100);
+    }
+  }
+  scratch_dir(const scratch_dir&) = delete;
+  scratch_dir& operator=(const scratch_dir&) = delete;
+  ~scratch_dir() {
+    const char* keep = std::getenv("TRIATTN_TEST_KEEP_TMP");
+    if (keep != nullptr && std::string(keep) == "1") return;
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+  /// Names of every entry below the folder (to check that a failed command wrote nothing).
+  std::set<std::string> listing() const {
+    std::set<std::string> names;
+    for (const auto& e : fs::recursive_directory_iterator(path_)) names.insert(e.path().string());
+    return names;
+  }
+
+ private:
+  fs::path path_;
+};
+
+/// What a command did.
+struct result {
+  int code = -1;  ///< exit status; -1 when killed by a signal (a crash)
+  std::string out, err;
+  std::string command;
+
+  /// The lines of stderr (a final line without '\n' counts too).
+  std::size_t err_lines() const {
+    std::size_t n = static_cast<std::size_t>(std::count(err.begin(), err.end(), '\n'));
+    if (!err.empty() && err.back() != '\n') ++n;
+    return n;
+  }
+};
+
+/// Runs `triattn <args...>` with stdout and stderr captured into files of `dir` (which are
+/// removed again, so `dir.listing()` shows only what the command wrote).
+inline result run_cli(const scratch_dir& dir, const std::vector<std::string>& args) {
+  result r;
+  r.command = shell_quote(TRIATTN_TEST_CLI);
+  for (const auto& a : args) {
+    r.command += ' ';
+    r.command += shell_quote(a);  // (not `" " + ...`: GCC 12 reports a bogus -Wrestrict for it)
+  }
+  const fs::path out = dir.path().parent_path() / (dir.path().filename().string() + ".stdout");
+  const fs::path err = dir.path().parent_path() / (dir.path().filename().string() + ".stderr");
+  r.code = system_status(r.command + " >" + shell_quote(out.string()) + " 2>" + shell_quote(err.string()));
+  r.out = read_text(out);
+  r.err = read_text(err);
+  std::error_code ignored;
+  fs::remove(out, ignored);
+  fs::remove(err, ignored);
+  return r;
+}
+
+/// The failure every bad input must give: exit status 2, exactly one line on stderr that
+/// holds every needle (the file or option at fault), nothing on stdout.
+inline void check_one_line_error(const result& r, const std::vector<std::string>& needles) {
+  INFO("command: " << r.command);
+  INFO("stderr: " << r.err);
+  CHECK(r.code == 2);
+  CHECK(r.err_lines() == 1);
+  CHECK((!r.err.empty() && r.err.back() == '\n'));
+  CHECK(r.out.empty());
+  for (const auto& n : needles) {
+    INFO("expected in stderr: " << n);
+    CHECK(r.err.find(n) != std::string::npos);
+  }
+}
+
+// --- the converter --------------------------------------------------------------------------
+
+#if defined(TRIATTN_TEST_PYTHON) && defined(TRIATTN_TEST_CONVERTER)
+/// Skips the whole test (exit 77) when the interpreter lacks NumPy, unless the build requires
+/// the data tests to run (TRIATTN_REQUIRE_DATA=1): then it fails.
+inline void require_numpy() {
+  const std::string python = TRIATTN_TEST_PYTHON;
+  if (system_status(shell_quote(python) + " -c 'import numpy' 2>/dev/null") == 0) return;
+  const char* required = std::getenv("TRIATTN_REQUIRE_DATA");
+  if (required != nullptr && std::string(required) == "1")
+    FAIL("NumPy is missing for " << python << " (install python3-numpy); TRIATTN_REQUIRE_DATA is ON");
+  std::printf("SKIPPED: NumPy is missing for %s; the converter needs it\n", python.c_str());
+  std::fflush(stdout);
+  std::exit(77);
+}
+
+/// Converts `input` (a reference .pt file) with `flags` to `out`.
+inline void convert(const fs::path& input, const std::string& flags, const fs::path& out) {
+  require_numpy();
+  REQUIRE(fs::exists(input));
+  const std::string command = shell_quote(TRIATTN_TEST_PYTHON) + " " + shell_quote(TRIATTN_TEST_CONVERTER) + " " +
+                              shell_quote(input.string()) + " " + flags + " --out " + shell_quote(out.string()) +
+                              " >/dev/null";
+  INFO(command);
+  REQUIRE(system_status(command) == 0);
+  REQUIRE(fs::exists(out));
+}
+#endif
+
+}  // namespace triattn_test::cli

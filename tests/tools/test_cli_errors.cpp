@@ -1,0 +1,239 @@
+// `triattn` refuses bad input as shared/spec/cli.md says: exit status 2, exactly one line on
+// stderr naming the file or option at fault, nothing on stdout, and no file written (the
+// scratch folder holds the same entries before and after). Every bad command is one change
+// away from a good one, which is run first and must succeed, so a refusal cannot come from
+// some other mistake in the command. `--help` exits 0.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cli.hpp"
+#include "support/random.hpp"
+#include "triattn/calibration/stats_file.hpp"
+#include "triattn/io/npy.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace io = triattn::io;
+using triattn_test::cli::check_one_line_error;
+using triattn_test::cli::run_cli;
+using triattn_test::cli::scratch_dir;
+
+constexpr int layers = 2, q_heads = 4, kv_heads = 2, head_dim = 8, tokens = 16;
+
+triattn::query_stats small_stats() {
+  auto g = triattn_test::rng(1);
+  triattn::query_stats s;
+  s.num_layers = layers;
+  s.num_q_heads = q_heads;
+  s.num_kv_heads = kv_heads;
+  s.head_dim = head_dim;
+  s.style = triattn::rope_style::half;
+  for (int f = 0; f < head_dim / 2; ++f) s.inv_freq.push_back(std::pow(10000.0, -2.0 * f / head_dim));
+  const std::size_t n = s.row(layers, 0);
+  s.q_mean_real = triattn_test::normal_floats(g, n);
+  s.q_mean_imag = triattn_test::normal_floats(g, n);
+  for (std::size_t i = 0; i < n; ++i)
+    s.q_abs_mean.push_back(2.0f * std::hypot(s.q_mean_real[i], s.q_mean_imag[i]) + 0.1f);
+  return s;
+}
+
+/// A .npy of `kind` and `shape` with random values (small integers for integer kinds).
+void write_array(const fs::path& p, io::element_kind kind, const std::vector<std::int64_t>& shape) {
+  auto g = triattn_test::rng(2);
+  std::int64_t n = 1;
+  for (const auto d : shape) n *= d;
+  const std::vector<float> v = triattn_test::normal_floats(g, static_cast<std::size_t>(n));
+  std::vector<std::byte> data(static_cast<std::size_t>(n) * io::element_bytes(kind));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    switch (kind) {
+      case io::element_kind::f32:
+        std::memcpy(data.data() + 4 * i, &v[i], 4);
+        break;
+      case io::element_kind::f64: {
+        const double d = v[i];
+        std::memcpy(data.data() + 8 * i, &d, 8);
+        break;
+      }
+      case io::element_kind::i32: {
+        const auto x = static_cast<std::int32_t>(i % 7);
+        std::memcpy(data.data() + 4 * i, &x, 4);
+        break;
+      }
+      case io::element_kind::i64: {
+        const auto x = static_cast<std::int64_t>(i % 7);
+        std::memcpy(data.data() + 8 * i, &x, 8);
+        break;
+      }
+      default:
+        FAIL("unsupported kind in the test");
+    }
+  }
+  io::write_npy(p, kind, shape, data.data());
+}
+
+struct fixture {
+  scratch_dir dir{"cli_errors"};
+  std::string stats = (dir / "stats.safetensors").string();
+  std::string keys = (dir / "keys.npy").string();
+  std::string out = (dir / "out.npy").string();
+
+  fixture() {
+    triattn::save_stats(stats, small_stats());
+    write_array(keys, io::element_kind::f32, {layers, kv_heads, tokens, head_dim});
+  }
+
+  std::vector<std::string> score_args(const std::string& keys_file) const {
+    return {"score", "triattention", "--stats", stats, "--keys", keys_file, "--round-start", "40", "--out", out};
+  }
+  std::vector<std::string> select_args(const std::string& keys_file, const std::string& budget = "5") const {
+    auto a = score_args(keys_file);
+    a[0] = "select";
+    a.insert(a.end(), {"--budget", budget});
+    return a;
+  }
+
+  /// `args` must fail with one line holding `needles`, and leave the folder as it was.
+  void expect_refused(const std::vector<std::string>& args, const std::vector<std::string>& needles) const {
+    const auto before = dir.listing();
+    const auto r = run_cli(dir, args);
+    check_one_line_error(r, needles);
+    INFO("command: " << r.command);
+    CHECK(!fs::exists(out));
+    CHECK(dir.listing() == before);
+  }
+};
+
+/// Removes the output of a good run, so the next bad one starts from a folder without it.
+void good_run(const fixture& f, const std::vector<std::string>& args, const std::vector<std::int64_t>& shape) {
+  const auto r = run_cli(f.dir, args);
+  INFO("command: " << r.command << "\nstderr: " << r.err);
+  REQUIRE(r.code == 0);
+  REQUIRE(r.err.empty());
+  const io::npy_array a = io::read_npy(f.out);
+  CHECK(a.shape == shape);
+  fs::remove(f.out);
+}
+
+}  // namespace
+
+TEST_CASE("the good commands that the bad ones derive from succeed", "[cli][errors]") {
+  const fixture f;
+  good_run(f, f.score_args(f.keys), {layers, q_heads, tokens});
+  good_run(f, f.select_args(f.keys), {kv_heads, 5});
+  // float64 keys are accepted too
+  const std::string keys64 = (f.dir / "keys64.npy").string();
+  write_array(keys64, io::element_kind::f64, {layers, kv_heads, tokens, head_dim});
+  good_run(f, f.score_args(keys64), {layers, q_heads, tokens});
+}
+
+TEST_CASE("keys of the wrong dtype, rank or geometry name the keys file", "[cli][errors]") {
+  const fixture f;
+  const auto check_keys = [&](const std::string& name, io::element_kind kind, const std::vector<std::int64_t>& shape) {
+    const std::string k = (f.dir / name).string();
+    write_array(k, kind, shape);
+    INFO(name);
+    f.expect_refused(f.score_args(k), {k});
+    f.expect_refused(f.select_args(k), {k});
+  };
+  check_keys("keys_int32.npy", io::element_kind::i32, {layers, kv_heads, tokens, head_dim});
+  check_keys("keys_int64.npy", io::element_kind::i64, {layers, kv_heads, tokens, head_dim});
+  check_keys("keys_rank3.npy", io::element_kind::f32, {layers, kv_heads, tokens * head_dim});
+  check_keys("keys_rank5.npy", io::element_kind::f32, {1, layers, kv_heads, tokens, head_dim});
+  // The geometry must match the stats file, which the message names too.
+  const auto check_mismatch = [&](const std::string& name, const std::vector<std::int64_t>& shape) {
+    const std::string k = (f.dir / name).string();
+    write_array(k, io::element_kind::f32, shape);
+    INFO(name);
+    f.expect_refused(f.score_args(k), {k, f.stats});
+    f.expect_refused(f.select_args(k), {k, f.stats});
+  };
+  check_mismatch("keys_layers.npy", {layers + 1, kv_heads, tokens, head_dim});
+  check_mismatch("keys_heads.npy", {layers, kv_heads * 2, tokens, head_dim});
+  check_mismatch("keys_head_dim.npy", {layers, kv_heads, tokens, head_dim + 2});
+}
+
+TEST_CASE("missing and malformed input files are named", "[cli][errors]") {
+  const fixture f;
+  const std::string missing = (f.dir / "no_such_keys.npy").string();
+  f.expect_refused(f.score_args(missing), {missing});
+  auto a = f.score_args(f.keys);
+  a[3] = (f.dir / "no_such_stats.safetensors").string();
+  f.expect_refused(a, {a[3]});
+  a[3] = f.keys;  // a .npy is not a stats file
+  f.expect_refused(a, {f.keys});
+  // Keys as the stats, the stats as keys.
+  f.expect_refused(f.score_args(f.stats), {f.stats});
+}
+
+TEST_CASE("bad options are named", "[cli][errors]") {
+  const fixture f;
+  f.expect_refused(f.select_args(f.keys, "0"), {"--budget"});
+  f.expect_refused(f.select_args(f.keys, "-3"), {"--budget"});
+  f.expect_refused(f.select_args(f.keys, "12x"), {"--budget"});
+  auto no_budget = f.score_args(f.keys);
+  no_budget[0] = "select";
+  f.expect_refused(no_budget, {"--budget"});
+
+  for (const bool select : {false, true}) {
+    auto a = select ? f.select_args(f.keys) : f.score_args(f.keys);
+    INFO((select ? "select" : "score"));
+    auto no_out = a;
+    const auto it = std::find(no_out.begin(), no_out.end(), "--out");
+    no_out.erase(it, it + 2);
+    f.expect_refused(no_out, {"--out"});
+
+    auto unknown = a;
+    unknown.push_back("--bogus-option");
+    f.expect_refused(unknown, {"--bogus-option"});
+    unknown.back() = "--bogus-option=3";
+    f.expect_refused(unknown, {"--bogus-option"});
+
+    auto pre_rope = a;
+    pre_rope.push_back("--pre-rope");
+    f.expect_refused(pre_rope, {"--positions"});
+
+    auto no_round = a;
+    const auto r = std::find(no_round.begin(), no_round.end(), "--round-start");
+    no_round.erase(r, r + 2);
+    f.expect_refused(no_round, {"--round-start"});
+
+    auto policy = a;
+    policy[1] = "no_such_policy";
+    f.expect_refused(policy, {"no_such_policy"});
+
+    auto dangling = a;
+    dangling.push_back("--window");  // a value option without its value
+    f.expect_refused(dangling, {"--window"});
+  }
+  f.expect_refused({"frobnicate", "--out", f.out}, {"frobnicate"});
+  f.expect_refused({"score"}, {"score"});
+  f.expect_refused({"inspect"}, {"inspect"});
+}
+
+TEST_CASE("--help exits 0 and prints the usage", "[cli][errors]") {
+  const scratch_dir dir("cli_help");
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--help"},
+                                               {"score", "triattention", "--help"},
+                                               {"select", "triattention", "--help"},
+                                               {"calibrate", "--help"}}) {
+    const auto r = run_cli(dir, args);
+    INFO("command: " << r.command);
+    CHECK(r.code == 0);
+    CHECK(r.out.find("usage") != std::string::npos);
+    CHECK(r.out.find("triattn score") != std::string::npos);
+    CHECK(r.err.empty());
+  }
+  CHECK(dir.listing().empty());
+  // No command at all is a usage error: exit 2, the usage on stderr.
+  const auto r = run_cli(dir, {});
+  CHECK(r.code == 2);
+  CHECK(r.out.empty());
+  CHECK(r.err.find("usage") != std::string::npos);
+}

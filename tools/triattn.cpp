@@ -1,0 +1,462 @@
+// triattn: the command-line tool. The contract is shared/spec/cli.md (commands, .npy shapes
+// and dtypes, errors); README's "Command-line tool" section documents it for users.
+//
+//   triattn score <policy>  --keys K.npy ... --out SCORES.npy
+//   triattn select <policy> --keys K.npy ... --budget B --out KEEP.npy
+//   triattn inspect S.safetensors
+//   triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]
+//
+// Every error prints one line naming the file and the problem and exits with code 2; nothing
+// is written then (outputs are written last, through a temporary file and a rename).
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "llama2c/calibration.hpp"
+#include "llama2c/llama2c.hpp"
+#include "triattn/triattn.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace io = triattn::io;
+
+/// A usage problem (bad option, missing input): printed as `triattn: <message>`, exit 2.
+struct usage_error {
+  std::string message;
+};
+
+// ------------------------------------------------------------------------------------------
+// Options: `--name value` or `--name=value`; switches take no value. Unknown names are errors
+// (a typo must not be silently ignored), but every command accepts every known input and
+// ignores those it does not use, so one set of files can drive all policies.
+
+const std::set<std::string, std::less<>> value_options = {
+    "--stats", "--keys", "--values", "--queries", "--attn", "--positions", "--round-start", "--budget", "--out",
+    "--window", "--protect-first", "--offset-max", "--aggregation", "--granularity", "--gqa", "--model",
+    "--tokenizer", "--text", "--windows"};
+const std::set<std::string, std::less<>> switch_options = {"--pre-rope", "--disable-trig", "--disable-norm",
+                                                           "--no-normalize", "--help"};
+
+class options {
+ public:
+  options(int argc, char** argv, int first) {
+    for (int i = first; i < argc; ++i) {
+      std::string arg = argv[i];
+      if (!arg.starts_with("--")) {
+        positional_.push_back(arg);
+        continue;
+      }
+      std::optional<std::string> value;
+      if (const auto eq = arg.find('='); eq != std::string::npos) {
+        value = arg.substr(eq + 1);
+        arg.resize(eq);
+      }
+      if (switch_options.contains(arg)) {
+        if (value) throw usage_error{"option " + arg + " takes no value"};
+        switches_.insert(arg);
+      } else if (value_options.contains(arg)) {
+        if (!value) {
+          if (i + 1 >= argc) throw usage_error{"option " + arg + " needs a value"};
+          value = argv[++i];
+        }
+        values_[arg] = *value;
+      } else {
+        throw usage_error{"unknown option " + arg};
+      }
+    }
+  }
+
+  bool has(std::string_view name) const { return values_.contains(name) || switches_.contains(name); }
+  const std::vector<std::string>& positional() const { return positional_; }
+
+  std::string required(std::string_view name) const {
+    const auto it = values_.find(name);
+    if (it == values_.end()) throw usage_error{"missing " + std::string(name)};
+    return it->second;
+  }
+  std::optional<std::string> optional_value(std::string_view name) const {
+    const auto it = values_.find(name);
+    return it == values_.end() ? std::nullopt : std::optional(it->second);
+  }
+  std::int64_t integer(std::string_view name, std::int64_t min, std::optional<std::int64_t> fallback = {}) const {
+    const auto text = optional_value(name);
+    if (!text) {
+      if (fallback) return *fallback;
+      throw usage_error{"missing " + std::string(name)};
+    }
+    std::int64_t v = 0;
+    const auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), v);
+    if (ec != std::errc() || end != text->data() + text->size())
+      throw usage_error{std::string(name) + " \"" + *text + "\" is not an integer"};
+    if (v < min) throw usage_error{std::string(name) + " " + *text + " must be >= " + std::to_string(min)};
+    return v;
+  }
+  /// One of `choices` (the first is the default).
+  std::string choice(std::string_view name, std::initializer_list<std::string_view> choices) const {
+    const auto text = optional_value(name);
+    if (!text) return std::string(*choices.begin());
+    for (std::string_view c : choices)
+      if (c == *text) return *text;
+    std::string known;
+    for (std::string_view c : choices) known += (known.empty() ? "" : ", ") + std::string(c);
+    throw usage_error{std::string(name) + " \"" + *text + "\" is not one of " + known};
+  }
+
+ private:
+  std::map<std::string, std::string, std::less<>> values_;
+  std::set<std::string, std::less<>> switches_;
+  std::vector<std::string> positional_;
+};
+
+std::string shape_text(std::span<const std::int64_t> shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// ------------------------------------------------------------------------------------------
+// Inputs as triattn views.
+
+/// Keys (and optionally values) from .npy [num_layers, num_kv_heads, num_tokens, head_dim]
+/// (f16 stays f16; f32 and f64 become f32) as a dense HND view. Owns the memory.
+class npy_cache {
+ public:
+  npy_cache(const fs::path& keys_path, const std::optional<fs::path>& positions_path) {
+    keys_ = load_cache_array(keys_path);
+    const auto& s = keys_.shape;
+    layers_ = static_cast<int>(s[0]);
+    kv_heads_ = static_cast<int>(s[1]);
+    tokens_ = s[2];
+    head_dim_ = static_cast<int>(s[3]);
+    if (head_dim_ % 2 != 0)
+      throw triattn::error(keys_path.string() + ": head_dim " + std::to_string(head_dim_) + " must be even");
+    if (tokens_ < 1 || tokens_ > INT32_MAX)
+      throw triattn::error(keys_path.string() + ": num_tokens " + std::to_string(tokens_) + " must be in [1, 2^31)");
+    lengths_.assign(static_cast<std::size_t>(layers_) * static_cast<std::size_t>(kv_heads_),
+                    static_cast<std::int32_t>(tokens_));
+    positions_.resize(lengths_.size() * static_cast<std::size_t>(tokens_));
+    if (positions_path) {
+      const io::npy_array p = io::read_npy(*positions_path);
+      const std::int64_t expected[] = {layers_, kv_heads_, tokens_};
+      io::check_shape(p, expected, positions_path->string(), "positions");
+      const std::vector<std::int64_t> v = p.to_int64();
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        if (v[i] < 0 || v[i] > INT32_MAX)
+          throw triattn::error(positions_path->string() + ": position " + std::to_string(v[i]) + " is out of range");
+        positions_[i] = static_cast<std::int32_t>(v[i]);
+      }
+    } else {
+      // Without positions, slot t holds position t (all a post-RoPE scorer needs).
+      for (std::size_t i = 0; i < positions_.size(); ++i)
+        positions_[i] = static_cast<std::int32_t>(i % static_cast<std::size_t>(tokens_));
+    }
+    for (int l = 0; l < layers_; ++l) bases_.push_back(keys_.data.data() + layer_bytes() * static_cast<std::size_t>(l));
+  }
+
+  /// Adds values [num_layers, num_kv_heads, num_tokens, head_dim], same dtype as the keys.
+  void add_values(const fs::path& path) {
+    values_ = load_cache_array(path);
+    if (values_->shape != keys_.shape)
+      throw triattn::error(path.string() + ": values have shape " + shape_text(values_->shape) + ", keys have " +
+                           shape_text(keys_.shape));
+    if (values_->kind != keys_.kind) values_ = as_kind(std::move(*values_), keys_.kind);
+    value_bases_.clear();
+    for (int l = 0; l < layers_; ++l)
+      value_bases_.push_back(values_->data.data() + layer_bytes() * static_cast<std::size_t>(l));
+  }
+
+  int layers() const { return layers_; }
+  int kv_heads() const { return kv_heads_; }
+  std::int64_t tokens() const { return tokens_; }
+  int head_dim() const { return head_dim_; }
+
+  /// The view, with `q_heads` query heads and `rope`. V points at the keys when no values
+  /// were given (policies that read V are only run with values).
+  triattn::dense_kv_view view(int q_heads, triattn::key_state keys, const triattn::rope_desc& rope) {
+    triattn::dense_kv_view v;
+    v.geo = {layers_, q_heads, kv_heads_, head_dim_, dtype(), keys, rope};
+    v.k_layers = bases_.data();
+    v.v_layers = values_ ? value_bases_.data() : bases_.data();
+    v.k_stride = v.v_stride = triattn::kv_strides::hnd(tokens_, head_dim_);
+    v.slots = {lengths_.data(), positions_.data(), tokens_};
+    return v;
+  }
+
+ private:
+  static io::npy_array as_kind(io::npy_array a, io::element_kind kind) {
+    const std::vector<float> f = a.to_float();
+    a.kind = kind;
+    a.data.resize(f.size() * io::element_bytes(kind));
+    for (std::size_t i = 0; i < f.size(); ++i)
+      triattn::store_element(a.data.data(), kind == io::element_kind::f16 ? triattn::dtype::f16 : triattn::dtype::f32,
+                             i, f[i]);
+    return a;
+  }
+  static io::npy_array load_cache_array(const fs::path& path) {
+    io::npy_array a = io::read_npy(path);
+    const std::int64_t expected[] = {-1, -1, -1, -1};
+    io::check_shape(a, expected, path.string(), "[num_layers, num_kv_heads, num_tokens, head_dim]");
+    if (a.kind != io::element_kind::f16 && a.kind != io::element_kind::f32 && a.kind != io::element_kind::f64)
+      throw triattn::error(path.string() + ": dtype " + io::element_kind_name(a.kind) +
+                           " is not supported (expected float16, float32 or float64)");
+    if (a.kind == io::element_kind::f64) a = as_kind(std::move(a), io::element_kind::f32);
+    return a;
+  }
+  triattn::dtype dtype() const { return keys_.kind == io::element_kind::f16 ? triattn::dtype::f16 : triattn::dtype::f32; }
+  std::size_t layer_bytes() const {
+    return static_cast<std::size_t>(kv_heads_) * static_cast<std::size_t>(tokens_) * static_cast<std::size_t>(head_dim_) *
+           io::element_bytes(keys_.kind);
+  }
+
+  io::npy_array keys_;
+  std::optional<io::npy_array> values_;
+  int layers_ = 0, kv_heads_ = 0, head_dim_ = 0;
+  std::int64_t tokens_ = 0;
+  std::vector<std::int32_t> lengths_;    // [layers, kv_heads]
+  std::vector<std::int32_t> positions_;  // [layers, kv_heads, tokens]
+  std::vector<std::byte*> bases_, value_bases_;
+};
+
+void write_int64(const fs::path& out, std::span<const std::int64_t> shape, const std::vector<std::int64_t>& data) {
+  io::write_npy(out, io::element_kind::i64, shape, data.data());
+}
+
+// ------------------------------------------------------------------------------------------
+// TriAttention.
+
+struct triattention_inputs {
+  triattn::query_stats stats;
+  npy_cache cache;
+  triattn::triattention_config config;
+  triattn::key_state keys;
+};
+
+triattention_inputs read_triattention_inputs(const options& o) {
+  const fs::path stats_path = o.required("--stats");
+  triattn::query_stats stats = triattn::load_stats(stats_path);
+  npy_cache cache(o.required("--keys"), o.optional_value("--positions"));
+  if (cache.layers() != stats.num_layers || cache.kv_heads() != stats.num_kv_heads || cache.head_dim() != stats.head_dim)
+    throw triattn::error(o.required("--keys") + ": keys [num_layers, num_kv_heads, num_tokens, head_dim] = [" +
+                         std::to_string(cache.layers()) + ", " + std::to_string(cache.kv_heads()) + ", " +
+                         std::to_string(cache.tokens()) + ", " + std::to_string(cache.head_dim()) + "] do not match " +
+                         stats_path.string() + " (" + std::to_string(stats.num_layers) + " layers, " +
+                         std::to_string(stats.num_kv_heads) + " kv-heads, head_dim " + std::to_string(stats.head_dim) +
+                         ")");
+  triattn::triattention_config c = triattn::triattention_config::paper();
+  c.offset_max = o.integer("--offset-max", 1, c.offset_max);
+  c.aggregation = o.choice("--aggregation", {"mean", "max"}) == "mean" ? triattn::offset_aggregation::mean
+                                                                         : triattn::offset_aggregation::max;
+  c.disable_trig = o.has("--disable-trig");
+  c.disable_norm = o.has("--disable-norm");
+  c.normalize = !o.has("--no-normalize");
+  const std::string granularity = o.choice("--granularity", {"per_kv_head", "per_layer", "union"});
+  c.granularity = granularity == "per_kv_head" ? triattn::triattention_granularity::per_kv_head
+                  : granularity == "per_layer" ? triattn::triattention_granularity::per_layer_kv_head
+                                               : triattn::triattention_granularity::global_union;
+  c.gqa_reduction = o.choice("--gqa", {"max", "mean"}) == "max" ? triattn::triattention_gqa_reduction::max
+                                                                : triattn::triattention_gqa_reduction::mean;
+  // Every token is a candidate unless --window / --protect-first say otherwise.
+  c.window = o.integer("--window", 0, 0);
+  c.prompt_length = o.integer("--protect-first", 0, 0);
+  c.protect_prompt = c.prompt_length > 0;
+  const triattn::key_state keys = o.has("--pre-rope") ? triattn::key_state::pre_rope : triattn::key_state::post_rope;
+  if (keys == triattn::key_state::pre_rope && !o.has("--positions"))
+    throw usage_error{"--pre-rope needs --positions [num_layers, num_kv_heads, num_tokens]"};
+  return {std::move(stats), std::move(cache), c, keys};
+}
+
+triattn::rope_desc stats_rope(const triattn::query_stats& s) {
+  triattn::rope_desc r;
+  r.style = s.style;
+  r.attention_scale = s.attention_scale;
+  r.inv_freq_table = s.inv_freq.data();  // the frequencies the stats were calibrated with
+  return r;
+}
+
+int score_triattention(const options& o) {
+  triattention_inputs in = read_triattention_inputs(o);
+  const std::int64_t round_start = o.integer("--round-start", 0);
+  const fs::path out = o.required("--out");
+  const triattn::dense_kv_view view = in.cache.view(in.stats.num_q_heads, in.keys, stats_rope(in.stats));
+  const triattn::triattention policy(in.stats, in.config);
+  // [num_layers, num_q_heads, num_tokens]
+  std::vector<float> scores(static_cast<std::size_t>(in.stats.num_layers) *
+                            static_cast<std::size_t>(in.stats.num_q_heads) * static_cast<std::size_t>(in.cache.tokens()));
+  policy.score(view, round_start, scores);
+  const std::int64_t shape[] = {in.stats.num_layers, in.stats.num_q_heads, in.cache.tokens()};
+  io::write_npy(out, io::element_kind::f32, shape, scores.data());
+  return 0;
+}
+
+int select_triattention(const options& o) {
+  triattention_inputs in = read_triattention_inputs(o);
+  const std::int64_t round_start = o.integer("--round-start", 0);
+  const std::int64_t budget = o.integer("--budget", 1);
+  const fs::path out = o.required("--out");
+  const triattn::dense_kv_view view = in.cache.view(in.stats.num_q_heads, in.keys, stats_rope(in.stats));
+  triattn::triattention policy(in.stats, in.config);
+  policy.set_position(round_start);
+  const triattn::keep_plan plan = policy.plan(view, budget);
+  const std::int64_t k = std::min(budget, in.cache.tokens());
+  std::vector<std::int64_t> keep;
+  // One keep set per kv-head shared by all layers ([num_kv_heads, k]) unless per-layer
+  // decisions were asked for ([num_layers, num_kv_heads, k]).
+  const bool per_layer = in.config.granularity == triattn::triattention_granularity::per_layer_kv_head;
+  for (int l = 0; l < (per_layer ? view.geo.num_layers : 1); ++l)
+    for (int h = 0; h < view.geo.num_kv_heads; ++h)
+      for (const std::int32_t s : plan.row(l, h)) keep.push_back(s);
+  if (per_layer) {
+    const std::int64_t shape[] = {view.geo.num_layers, view.geo.num_kv_heads, k};
+    write_int64(out, shape, keep);
+  } else {
+    const std::int64_t shape[] = {view.geo.num_kv_heads, k};
+    write_int64(out, shape, keep);
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// inspect, calibrate.
+
+int inspect(const options& o) {
+  if (o.positional().size() != 1) throw usage_error{"inspect takes one stats file"};
+  const fs::path path = o.positional()[0];
+  const triattn::query_stats s = triattn::load_stats(path);
+  const int bands = s.num_bands();
+  std::printf("%s\n  format triattn.stats.v1, rope_style %s, attention_scale %g\n", path.string().c_str(),
+              s.style == triattn::rope_style::half ? "half" : "interleaved", s.attention_scale);
+  std::printf("  q_mean_real, q_mean_imag, q_abs_mean: F32 [%d, %d, %d] (layers, q-heads, bands)\n", s.num_layers,
+              s.num_q_heads, bands);
+  std::printf("  inv_freq: [%d], from %.6g down to %.6g\n", bands, s.inv_freq.front(), s.inv_freq.back());
+  std::printf("  num_kv_heads %d (GQA group %d)\n", s.num_kv_heads, s.num_q_heads / s.num_kv_heads);
+  for (const auto& [key, value] : s.info) std::printf("  %s: %s\n", key.c_str(), value.c_str());
+  // Mean resultant length R_f = |E q_f| / E|q_f|: how concentrated the queries are.
+  std::printf("  mean R_f = |E[q_f]| / E[|q_f|] per layer:\n");
+  double total = 0.0;
+  for (int l = 0; l < s.num_layers; ++l) {
+    double sum = 0.0;
+    for (int h = 0; h < s.num_q_heads; ++h) {
+      const std::size_t r = s.row(l, h);
+      for (int f = 0; f < bands; ++f) {
+        const std::size_t i = r + static_cast<std::size_t>(f);
+        const double m = s.q_abs_mean[i];
+        sum += m > 0.0 ? std::hypot(double{s.q_mean_real[i]}, double{s.q_mean_imag[i]}) / m : 0.0;
+      }
+    }
+    const double mean = sum / (s.num_q_heads * bands);
+    total += mean;
+    std::printf("    layer %3d  %.4f\n", l, mean);
+  }
+  std::printf("  all layers  %.4f\n", total / s.num_layers);
+  return 0;
+}
+
+void progress(const char* what, std::int64_t done, std::int64_t total) {
+  constexpr int width = 40;
+  const int filled = static_cast<int>(width * done / std::max<std::int64_t>(total, 1));
+  std::fprintf(stderr, "\r%s [%.*s%*s] %lld/%lld", what, filled, "########################################",
+               width - filled, "", static_cast<long long>(done), static_cast<long long>(total));
+  if (done == total) std::fputc('\n', stderr);
+  std::fflush(stderr);
+}
+
+int calibrate(const options& o) {
+  const fs::path model_path = o.required("--model"), tokenizer_path = o.required("--tokenizer");
+  const fs::path text_path = o.required("--text"), out = o.required("--out");
+  const std::int64_t max_windows = o.integer("--windows", 1, 100);
+  const llama2c::model model = llama2c::model::load(model_path);
+  const llama2c::tokenizer tok = llama2c::tokenizer::load(tokenizer_path, model.config().vocab_size);
+  const std::string text = llama2c::read_file(text_path, "triattn calibrate");
+  triattn::query_stats stats =
+      llama2c::calibrate(model, tok, text, static_cast<int>(max_windows), [](std::size_t done, std::size_t total) {
+        progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
+      });
+  stats.info["model"] = model_path.filename().string();
+  stats.info["source"] = text_path.filename().string();
+  triattn::save_stats(out, stats);
+  std::fprintf(stderr, "calibrate: %s traces, %s tokens -> %s\n", stats.info["num_traces"].c_str(),
+               stats.info["num_tokens"].c_str(), out.string().c_str());
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+
+struct policy_commands {
+  std::string_view name;
+  int (*score)(const options&);
+  int (*select)(const options&);
+};
+
+constexpr policy_commands policies[] = {
+    {"triattention", score_triattention, select_triattention},
+};
+
+const char* usage_text =
+    "usage:\n"
+    "  triattn score <policy> [inputs] --out SCORES.npy\n"
+    "  triattn select <policy> [inputs] --budget B --out KEEP.npy\n"
+    "  triattn inspect S.safetensors\n"
+    "  triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]\n"
+    "\n"
+    "policies: triattention\n"
+    "inputs (.npy, little-endian, C order; float32, float16 or float64):\n"
+    "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys\n"
+    "  --stats S       triattn.stats.v1 safetensors (triattention)\n"
+    "  --round-start R position of the next token (triattention)\n"
+    "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (default: slot index)\n"
+    "triattention options: --offset-max N (65536) --aggregation mean|max --disable-trig --disable-norm\n"
+    "  --granularity per_kv_head|per_layer|union --gqa max|mean --no-normalize --window W\n"
+    "  --protect-first P (positions < P are always kept) --pre-rope (keys stored before RoPE)\n"
+    "score writes float32 [num_layers, num_q_heads, num_tokens] raw scores; select writes int64\n"
+    "[num_kv_heads, min(B, num_tokens)] ascending ([num_layers, ...] with --granularity per_layer).\n"
+    "Errors print one line and exit with code 2; nothing is written then.\n";
+
+int run(int argc, char** argv) {
+  if (argc < 2 || std::string_view(argv[1]) == "--help" || std::string_view(argv[1]) == "-h") {
+    std::fputs(usage_text, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string_view command = argv[1];
+  if (command == "score" || command == "select") {
+    if (argc < 3 || std::string_view(argv[2]).starts_with("--"))
+      throw usage_error{std::string(command) + " needs a policy name"};
+    const options o(argc, argv, 3);
+    if (o.has("--help")) return std::fputs(usage_text, stdout), 0;
+    for (const policy_commands& p : policies)
+      if (p.name == argv[2]) return command == "score" ? p.score(o) : p.select(o);
+    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: triattention)"};
+  }
+  const options o(argc, argv, 2);
+  if (o.has("--help")) return std::fputs(usage_text, stdout), 0;
+  if (command == "inspect") return inspect(o);
+  if (command == "calibrate") return calibrate(o);
+  throw usage_error{"unknown command \"" + std::string(command) + "\" (see triattn --help)"};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const usage_error& e) {
+    std::fprintf(stderr, "triattn: %s\n", e.message.c_str());
+  } catch (const triattn::error& e) {
+    std::fprintf(stderr, "triattn: %s\n", e.what());
+  } catch (const std::exception& e) {  // allocation failure and the like: still one line, exit 2
+    std::fprintf(stderr, "triattn: %s\n", e.what());
+  }
+  return 2;
+}
