@@ -7,7 +7,6 @@
 // The converter runs under the Python that CMake found (TRIATTN_TEST_PYTHON) and needs NumPy:
 // without it this test is skipped, or fails when TRIATTN_REQUIRE_DATA=1 (CI).
 #include <catch2/catch.hpp>
-#include <sys/wait.h>  // WEXITSTATUS of std::system
 
 #include <algorithm>
 #include <cmath>
@@ -20,58 +19,19 @@
 #include <vector>
 
 #include "support/data.hpp"
+#include "support/process.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (const char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-/// The exit status of a shell command (-1 when it did not exit normally).
-int run(const std::string& command) {
-  const int status = std::system(command.c_str());
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-/// Skips the whole test (exit 77, before any result is reported) when the interpreter lacks
-/// NumPy, unless the build requires the data tests to run.
-void require_numpy() {
-  const std::string python = TRIATTN_TEST_PYTHON;
-  if (run(shell_quote(python) + " -c 'import numpy' 2>/dev/null") == 0) return;
-  const char* required = std::getenv("TRIATTN_REQUIRE_DATA");
-  if (required != nullptr && std::string(required) == "1")
-    FAIL("NumPy is missing for " << python << " (install python3-numpy); TRIATTN_REQUIRE_DATA is ON");
-  std::printf("SKIPPED: NumPy is missing for %s; the converter needs it\n", python.c_str());
-  std::fflush(stdout);
-  std::exit(77);
-}
-
-/// Converts reference-stats/<name>.pt with `flags` into the build folder; returns the output path.
 fs::path convert(const std::string& name, const std::string& flags, const std::string& suffix = "") {
-  require_numpy();
-  const fs::path input = triattn_test::data_dir() / "reference-stats" / (name + ".pt");
-  REQUIRE(fs::exists(input));
   const fs::path out_dir = fs::path(TRIATTN_TEST_OUT_DIR) / "reference_stats";
   fs::create_directories(out_dir);
   const fs::path out = out_dir / (name + suffix + ".safetensors");
   fs::remove(out);
-  const std::string command = shell_quote(TRIATTN_TEST_PYTHON) + " " + shell_quote(TRIATTN_TEST_CONVERTER) + " " +
-                              shell_quote(input.string()) + " " + flags + " --out " + shell_quote(out.string());
-  INFO(command);
-  REQUIRE(run(command) == 0);
-  return out;
-}
-
-std::vector<std::byte> file_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> out(chars.size());
-  std::transform(chars.begin(), chars.end(), out.begin(), [](char c) { return static_cast<std::byte>(c); });
+  triattn_test::convert(triattn_test::data_dir() / "reference-stats" / (name + ".pt"), flags, out);
   return out;
 }
 
@@ -142,7 +102,7 @@ void check_model(const fs::path& file, const triattn::kv_geometry& g, const std:
   CHECK(std::abs(r.share_above_095 - readme.share_above_095) < 5e-4);
 
   // The converter's safetensors writer and the C++ one agree byte for byte.
-  CHECK(triattn::serialize_stats(s) == file_bytes(file));
+  CHECK(triattn::serialize_stats(s) == triattn_test::read_bytes(file));
 }
 
 }  // namespace
