@@ -1,0 +1,377 @@
+/// \file triattn/policies/query_window.hpp
+/// \brief What the window-scored policies (SnapKV, R-KV) share: the window of the last w
+/// post-RoPE queries, the window attention recomputed from it with Eigen, and the
+/// attach / observe / score / plan scaffolding.
+///
+/// The library never owns the attention computation. The engine's attention loop hands every
+/// new query row to `observe`; engines on flash attention never materialise probabilities, so
+/// the policy recomputes the window attention from the queries it keeps, as kvpress does
+/// (baselines.md §7). For one q-head with m observed queries and a (layer, kv_head) of n keys:
+///
+///     logits [m, n] = Q Kᵀ / √D,  −inf where the key's position is above the query's,
+///     probs  [m, n] = softmax of every row, in fp32 (a fully masked row gives zeros).
+///
+/// Keys are read through Eigen maps: a strided map straight over the cache for dense f32
+/// views, an f32 scratch copy of one (layer, kv_head) otherwise (f16/bf16 keys, paged views).
+///
+/// **Fewer observed queries than the window.** Scoring uses the m <= w queries observed so far
+/// (a prompt shorter than w, a window filled mid-decode); the protected window stays the last w
+/// slots. A (layer, kv_head) that must be scored with no observed query, or whose q-heads hold
+/// different window rows, is an error.
+#pragma once
+
+#include <Eigen/Dense>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+#include "triattn/core/compaction.hpp"
+#include "triattn/core/config.hpp"
+#include "triattn/core/error.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/selection.hpp"
+#include "triattn/policies/policy.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// A row-major f32 matrix: one query or key per row, as the cache stores them.
+using row_matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+/// The keys of one (layer, kv_head) [n, head_dim], over the cache or over a scratch copy.
+using key_map = Eigen::Map<const row_matrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+/// Read-only rows with any row stride: a `row_matrix`, a `key_map`, a block of rows of either.
+using const_rows = Eigen::Ref<const row_matrix, 0, Eigen::OuterStride<>>;
+
+/// The last `window` post-RoPE queries of every (layer, q_head), with their positions.
+///
+/// A ring per (layer, q_head) [layers, q_heads, window, head_dim]: pushing is O(head_dim) and
+/// nothing moves. Queries are not per-slot state: compaction leaves the window alone.
+class query_window {
+ public:
+  query_window() = default;
+  /// A window of the last `window` queries; `resize` gives it its shape.
+  explicit query_window(int window) : window_(window) {
+    TRIATTN_CHECK(window >= 1, "triattn::query_window", "window ", window, " must be >= 1");
+  }
+
+  /// Shapes the window for `layers` x `q_heads` rows of `head_dim` floats, empty.
+  void resize(int layers, int q_heads, int head_dim) {
+    TRIATTN_CHECK(layers >= 0 && q_heads >= 0 && head_dim >= 0, "triattn::query_window::resize", "shape ", layers,
+                  " x ", q_heads, " x ", head_dim, " must not be negative");
+    layers_ = layers;
+    q_heads_ = q_heads;
+    head_dim_ = head_dim;
+    const auto rows = static_cast<std::size_t>(layers) * static_cast<std::size_t>(q_heads);
+    queries_.assign(rows * static_cast<std::size_t>(window_) * static_cast<std::size_t>(head_dim), 0.0f);
+    positions_.assign(rows * static_cast<std::size_t>(window_), 0);
+    pushed_.assign(rows, 0);
+  }
+  /// Forgets every query (a new sequence); the shape stays.
+  void clear() { std::fill(pushed_.begin(), pushed_.end(), 0); }
+
+  int window() const { return window_; }
+  int num_layers() const { return layers_; }
+  int num_q_heads() const { return q_heads_; }
+  int head_dim() const { return head_dim_; }
+
+  /// Queries held for (layer, q_head): min(window, queries pushed since the last clear).
+  int count(int layer, int q_head) const {
+    check_head("triattn::query_window::count", layer, q_head);
+    return held(index(layer, q_head));
+  }
+
+  /// Appends the query `q` [head_dim] of (layer, q_head) at `position`, dropping the oldest
+  /// once `window` are held. Positions of one (layer, q_head) must increase. Throws
+  /// `triattn::error` naming `api` (the window unchanged) for a head out of range, a query of
+  /// the wrong size or with a non-finite element, or a position that does not increase.
+  void push(int layer, int q_head, std::int32_t position, std::span<const float> q,
+            const char* api = "triattn::query_window::push") {
+    check_head(api, layer, q_head);
+    TRIATTN_CHECK(q.size() == static_cast<std::size_t>(head_dim_), api, "query of layer ", layer, " q_head ", q_head,
+                  " holds ", q.size(), " floats, expected head_dim ", head_dim_);
+    for (std::size_t d = 0; d < q.size(); ++d)
+      TRIATTN_CHECK(std::isfinite(q[d]), api, "query of layer ", layer, " q_head ", q_head, " at position ", position,
+                    " has ", q[d], " at dim ", d, ": queries must be finite");
+    const std::size_t r = index(layer, q_head);
+    TRIATTN_CHECK(position >= 0, api, "position ", position, " of layer ", layer, " q_head ", q_head,
+                  " must be >= 0");
+    if (pushed_[r] > 0) {
+      const std::int32_t last = positions_[ring_slot(r, pushed_[r] - 1)];
+      TRIATTN_CHECK(position > last, api, "position ", position, " of layer ", layer, " q_head ", q_head,
+                    " must be above the last observed position ", last);
+    }
+    const std::size_t s = ring_slot(r, pushed_[r]);
+    std::copy(q.begin(), q.end(), queries_.begin() + static_cast<std::ptrdiff_t>(s * static_cast<std::size_t>(head_dim_)));
+    positions_[s] = position;
+    ++pushed_[r];
+  }
+
+  /// Copies the queries of q-heads [q_head, q_head + heads) of `layer`, oldest first, into `q`
+  /// [heads * m, head_dim] (q-head-major) and their positions into `positions` [m]; returns m.
+  /// These q-heads must hold m >= 1 queries each, at the same positions (the engine observes
+  /// every head of a layer at each token); otherwise throws naming `api`.
+  int gather(const char* api, int layer, int q_head, int heads, row_matrix& q,
+             std::vector<std::int32_t>& positions) const {
+    check_head(api, layer, q_head);
+    check_head(api, layer, q_head + heads - 1);
+    const std::size_t first = index(layer, q_head);
+    const int m = held(first);
+    TRIATTN_CHECK(m >= 1, api, "layer ", layer, " q_head ", q_head,
+                  " holds no observed query: observe the window's queries before scoring");
+    positions.resize(static_cast<std::size_t>(m));
+    for (int i = 0; i < m; ++i) positions[i] = positions_[ring_slot(first, oldest(first) + i)];
+    q.resize(static_cast<Eigen::Index>(heads) * m, head_dim_);
+    for (int k = 0; k < heads; ++k) {
+      const std::size_t r = first + static_cast<std::size_t>(k);
+      TRIATTN_CHECK(held(r) == m, api, "layer ", layer, " q_head ", q_head + k, " holds ", held(r),
+                    " observed queries but q_head ", q_head, " holds ", m, ": every q-head of a group must see the same tokens");
+      for (int i = 0; i < m; ++i) {
+        const std::size_t s = ring_slot(r, oldest(r) + i);
+        TRIATTN_CHECK(positions_[s] == positions[i], api, "layer ", layer, " q_head ", q_head + k, " window row ", i,
+                      " is at position ", positions_[s], " but q_head ", q_head, "'s is at ", positions[i],
+                      ": every q-head of a group must see the same tokens");
+        std::copy_n(queries_.begin() + static_cast<std::ptrdiff_t>(s * static_cast<std::size_t>(head_dim_)), head_dim_,
+                    q.row(static_cast<Eigen::Index>(k) * m + i).data());
+      }
+    }
+    return m;
+  }
+
+ private:
+  int window_ = 1;
+  int layers_ = 0, q_heads_ = 0, head_dim_ = 0;
+  std::vector<float> queries_;           // [layers, q_heads, window, head_dim], a ring per (layer, q_head)
+  std::vector<std::int32_t> positions_;  // [layers, q_heads, window]
+  std::vector<std::int64_t> pushed_;     // [layers, q_heads] queries pushed since the last clear
+
+  void check_head(const char* api, int layer, int q_head) const {
+    TRIATTN_CHECK(layer >= 0 && layer < layers_, api, "layer ", layer, " is outside [0, ", layers_,
+                  layers_ == 0 ? "): attach the policy to a view first" : ")");
+    TRIATTN_CHECK(q_head >= 0 && q_head < q_heads_, api, "q_head ", q_head, " is outside [0, ", q_heads_, ")");
+  }
+  std::size_t index(int layer, int q_head) const {
+    return static_cast<std::size_t>(layer) * static_cast<std::size_t>(q_heads_) + static_cast<std::size_t>(q_head);
+  }
+  int held(std::size_t r) const { return static_cast<int>(std::min<std::int64_t>(pushed_[r], window_)); }
+  /// Sequence number of the oldest held query of row r.
+  std::int64_t oldest(std::size_t r) const { return pushed_[r] - held(r); }
+  /// Ring slot of the query with sequence number `seq` of row r, in [layers * q_heads * window).
+  std::size_t ring_slot(std::size_t r, std::int64_t seq) const {
+    return r * static_cast<std::size_t>(window_) + static_cast<std::size_t>(seq % window_);
+  }
+};
+
+/// Window logits of one q-head: `out` [m, n] = q kᵀ / √D for queries `q` [m, D] at
+/// `q_positions` [m] and keys `k` [n, D] at `k_positions` [n], −inf where a key's position is
+/// above the query's (the causal mask inside the window).
+inline void window_logits(const const_rows& q, std::span<const std::int32_t> q_positions, const const_rows& k,
+                          std::span<const std::int32_t> k_positions, row_matrix& out) {
+  out.noalias() = q * k.transpose();
+  out *= 1.0f / std::sqrt(static_cast<float>(q.cols()));
+  for (Eigen::Index i = 0; i < out.rows(); ++i)
+    for (Eigen::Index j = 0; j < out.cols(); ++j)
+      if (k_positions[j] > q_positions[i]) out(i, j) = -std::numeric_limits<float>::infinity();
+}
+
+/// Softmax of `x` [n] in place, in fp32. All −inf (every key masked) gives zeros: the row
+/// carries no attention.
+inline void softmax_row(float* x, Eigen::Index n) {
+  if (n == 0) return;
+  Eigen::Map<Eigen::RowVectorXf> r(x, n);
+  const float top = r.maxCoeff();
+  if (top == -std::numeric_limits<float>::infinity()) {
+    r.setZero();
+    return;
+  }
+  // Masked entries are set to 0 explicitly: Eigen's vectorised exp clamps its argument near
+  // −88 and would give them ~1e-38, turning ties of fully masked keys into noise.
+  r.array() = (r.array() == -std::numeric_limits<float>::infinity()).select(0.0f, (r.array() - top).exp());
+  r /= r.sum();
+}
+
+/// Softmax of every row of `x` in place (see `softmax_row`).
+inline void softmax_rows(row_matrix& x) {
+  for (Eigen::Index i = 0; i < x.rows(); ++i) softmax_row(x.row(i).data(), x.cols());
+}
+
+/// The first `n` keys of (layer, kv_head) as an f32 [n, head_dim] matrix: a strided map over
+/// the cache for dense f32 views, else a copy into `scratch`. Throws naming `api` and the slot
+/// when a key is not finite.
+template <KVCacheView V>
+key_map window_keys(const char* api, const V& view, int layer, int kv_head, std::int64_t n, row_matrix& scratch) {
+  const kv_geometry& g = view.geometry();
+  const auto checked = [&](key_map k) {
+    if (!k.allFinite()) {
+      for (Eigen::Index s = 0; s < k.rows(); ++s)
+        for (Eigen::Index d = 0; d < k.cols(); ++d)
+          TRIATTN_CHECK(std::isfinite(k(s, d)), api, "key of layer ", layer, " kv_head ", kv_head, " slot ", s, " has ",
+                        k(s, d), " at dim ", d, ": keys must be finite");
+    }
+    return k;
+  };
+  if constexpr (std::is_same_v<V, dense_kv_view>) {
+    if (g.type == dtype::f32)  // rows of one (layer, kv_head) are `token` floats apart
+      return checked(key_map(reinterpret_cast<const float*>(view.key(layer, kv_head, 0)), n, g.head_dim,
+                             Eigen::OuterStride<>(view.k_stride.token)));
+  }
+  scratch.resize(n, g.head_dim);
+  for (std::int64_t s = 0; s < n; ++s) load_key(view, layer, kv_head, s, scratch.row(s).data());
+  return checked(key_map(scratch.data(), n, g.head_dim, Eigen::OuterStride<>(g.head_dim)));
+}
+
+/// Error prefixes of a window policy's calls ("triattn::snapkv::plan", ...).
+struct window_policy_names {
+  const char* attach;
+  const char* observe;
+  const char* score;
+  const char* plan;
+};
+
+/// What a window policy scores for one (layer, kv_head) holding n > window slots.
+struct window_inputs {
+  key_map keys;                                   ///< [n, head_dim], finite
+  std::span<const std::int32_t> key_positions;    ///< [n]
+  const row_matrix& queries;                      ///< [group * rows, head_dim], q-head-major, oldest row first
+  std::span<const std::int32_t> query_positions;  ///< [rows]
+  int group;                                      ///< q-heads of the kv_head
+  int rows;                                       ///< observed window rows m, 1 <= m <= window
+  std::int64_t prefix;                            ///< n - window: the slots that compete
+};
+
+/// The API shared by SnapKV and R-KV: `attach`, `observe`, `score`, `plan` (and `compress`
+/// from `policy_base`). `Derived` provides `names` (window_policy_names), `window_size()`,
+/// `validate_config(api)` and `score_prefix(const window_inputs&, std::span<float> out)`
+/// writing the scores of the prefix slots [0, n - window).
+///
+/// Every (layer, kv_head) keeps its last `window` slots (score +inf, counted in the budget)
+/// and the best-scoring of the older ones; ties go to the lower slot. Rows that already fit
+/// the budget are neither read nor scored.
+template <class Derived>
+class window_policy : public policy_base<Derived> {
+ public:
+  /// (Re)sizes the query window for `view`'s geometry, empty. Call it once per sequence
+  /// before the first `observe`.
+  template <KVCacheView V>
+  void attach(const V& view) {
+    const char* api = Derived::names.attach;
+    derived().validate_config(api);
+    view.validate(api);
+    const kv_geometry& g = view.geometry();
+    window_ = query_window(derived().window_size());
+    window_.resize(g.num_layers, g.num_q_heads, g.head_dim);
+    num_kv_heads_ = g.num_kv_heads;
+  }
+
+  /// One new query row of (layer, q_head) at `position`: the post-RoPE query [head_dim].
+  /// `probs` is not read (the window attention is recomputed from the kept queries); it may
+  /// be empty. Positions of one (layer, q_head) must increase.
+  void observe(int layer, int q_head, std::int32_t position, std::span<const float> q_post_rope,
+               [[maybe_unused]] std::span<const float> probs = {}) {
+    window_.push(layer, q_head, position, q_post_rope, Derived::names.observe);
+  }
+
+  /// Scores into `out` [num_layers, num_kv_heads, capacity]: the policy's score per slot after
+  /// GQA aggregation, +inf for the last `window` slots of each (layer, kv_head); slots >= the
+  /// length are left as they are.
+  template <KVCacheView V>
+  void score(const V& view, std::span<float> out) const {
+    const char* api = Derived::names.score;
+    check_ready(api, view);
+    const kv_geometry& g = view.geometry();
+    const std::int64_t cap = view.capacity();
+    TRIATTN_CHECK(out.size() == static_cast<std::size_t>(g.num_layers) * g.num_kv_heads * cap, api, "output holds ",
+                  out.size(), " scores, expected num_layers ", g.num_layers, " x num_kv_heads ", g.num_kv_heads,
+                  " x capacity ", cap);
+    scratch sc;
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int h = 0; h < g.num_kv_heads; ++h)
+        score_row(api, view, l, h, out.subspan((static_cast<std::size_t>(l) * g.num_kv_heads + h) * cap,
+                                                static_cast<std::size_t>(view.length(l, h))),
+                  sc);
+  }
+
+  /// Keep plan cutting every (layer, kv_head) of `view` to `budget` slots: the last `window`
+  /// slots (the oldest of them when budget < window), then the best-scoring older slots.
+  /// Throws `triattn::error` (nothing changed) for budget < 1, a malformed view, a view the
+  /// policy was not attached to, non-finite keys or a missing window.
+  template <KVCacheView V>
+  keep_plan plan(const V& view, std::int64_t budget) const {
+    const char* api = Derived::names.plan;
+    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+    check_ready(api, view);
+    const kv_geometry& g = view.geometry();
+    keep_plan p(g.num_layers, g.num_kv_heads);
+    const protection window_slots{0, derived().window_size(), 0};
+    scratch sc;
+    std::vector<float> scores;
+    std::vector<std::int32_t> all;
+    for (int l = 0; l < g.num_layers; ++l) {
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const std::int32_t n = view.length(l, h);
+        if (n <= budget) {
+          all.resize(static_cast<std::size_t>(n));
+          std::iota(all.begin(), all.end(), 0);
+          p.push_row(all);
+          continue;
+        }
+        scores.resize(static_cast<std::size_t>(n));
+        score_row(api, view, l, h, scores, sc);
+        p.push_row(select_keep(scores, {}, window_slots, budget));
+      }
+    }
+    return p;
+  }
+
+  /// The kept queries.
+  const query_window& queries() const { return window_; }
+
+ private:
+  query_window window_;
+  int num_kv_heads_ = 0;
+
+  /// Buffers reused across the (layer, kv_head) rows of one call.
+  struct scratch {
+    row_matrix keys, queries;
+    std::vector<std::int32_t> key_positions, query_positions;
+  };
+
+  const Derived& derived() const { return static_cast<const Derived&>(*this); }
+
+  template <KVCacheView V>
+  void check_ready(const char* api, const V& view) const {
+    derived().validate_config(api);
+    view.validate(api);
+    const kv_geometry& g = view.geometry();
+    TRIATTN_CHECK(g.num_layers == window_.num_layers() && g.num_q_heads == window_.num_q_heads() &&
+                      g.num_kv_heads == num_kv_heads_ && g.head_dim == window_.head_dim(),
+                  api, "the view has ", g.num_layers, " layers, ", g.num_q_heads, " q_heads, ", g.num_kv_heads,
+                  " kv_heads, head_dim ", g.head_dim, " but the policy was attached to ", window_.num_layers(), ", ",
+                  window_.num_q_heads(), ", ", num_kv_heads_, ", ", window_.head_dim(), ": call attach(view) first");
+    TRIATTN_CHECK(window_.window() == derived().window_size(), api, "window ", derived().window_size(),
+                  " differs from the window ", window_.window(), " the policy was attached with");
+  }
+
+  /// Scores of the `out.size()` slots of (l, h): the prefix by the policy, the window +inf.
+  template <KVCacheView V>
+  void score_row(const char* api, const V& view, int l, int h, std::span<float> out, scratch& sc) const {
+    const auto n = static_cast<std::int64_t>(out.size());
+    const std::int64_t prefix = n - derived().window_size();
+    std::fill(out.begin() + std::max<std::int64_t>(prefix, 0), out.end(), std::numeric_limits<float>::infinity());
+    if (prefix <= 0) return;
+    const int group = view.geometry().group_size();
+    const key_map keys = window_keys(api, view, l, h, n, sc.keys);
+    sc.key_positions.resize(static_cast<std::size_t>(n));
+    for (std::int64_t s = 0; s < n; ++s) sc.key_positions[s] = view.position(l, h, s);
+    const int rows = window_.gather(api, l, h * group, group, sc.queries, sc.query_positions);
+    derived().score_prefix(window_inputs{keys, sc.key_positions, sc.queries, sc.query_positions, group, rows, prefix},
+                           out.first(static_cast<std::size_t>(prefix)));
+  }
+};
+
+TRIATTN_NAMESPACE_END

@@ -1,0 +1,195 @@
+/// \file triattn/policies/rkv.hpp
+/// \brief R-KV (Cai et al. 2025): importance minus redundancy, for long generated reasoning.
+///
+/// **Score** (baselines.md §5, cli.md `score rkv`), per (layer, kv_head g) of n slots, with
+/// α = `window`, the prefix [0, p = n − α) and the m <= α observed queries of each q-head:
+///
+///     importance  M[i, j] = max over the group's q-heads of Q[i]·K[j]/√D      (j < p, pre-softmax)
+///                 A       = softmax over the prefix of each row of M          (fp32)
+///                 I       = maxpool_k( mean over the rows of A )
+///     redundancy  S       = K̂ K̂ᵀ over all n keys, K̂ = K / (‖K‖ + 1e-8), diagonal set to 0
+///                 per row i: S[i, j*] = 0 for j* = the largest j with S[i, j] > threshold
+///                 R       = softmax over all n of the column means (1/n) Σ_i S[i, j]
+///     score       Z[j]    = λ I[j] − (1 − λ) R[j]   for j < p,   +inf on the last α slots.
+///
+/// The newest near-duplicate of each key is spared and older copies are penalised. Quirk of
+/// the reference kept on purpose (`torch.where(mask, arange, 0).max()`): a row with no entry
+/// above the threshold picks j* = 0, so S[i, 0] is zeroed for it, which lowers token 0's
+/// redundancy a little (a soft sink). Redundancy is computed over all n keys and only then
+/// restricted to the prefix (not renormalised), as the reference does. The causal mask of
+/// query_window.hpp applies to the importance logits too; prefix keys precede the window's
+/// queries, so it never fires for an engine's own window.
+///
+/// **Defaults** are the paper's table and TriAttention's copy: α = 8, kernel 7, λ = 0.1, a
+/// round when the cache reaches budget + 128 (buffer 128, cut to budget, α counted in the
+/// budget; no sinks). `reference_code()` uses the reference repository's λ = 0.07.
+///
+/// **Differences from the reference code** (all in favour of fp32): importance, cosine
+/// similarities and the redundancy softmax stay fp32 (the reference casts the mean attention
+/// to the model dtype and computes similarities in it); ties go to the lower slot and kept
+/// slots stay in order.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+
+#include "triattn/core/config.hpp"
+#include "triattn/core/error.hpp"
+#include "triattn/core/schedule.hpp"
+#include "triattn/core/selection.hpp"
+#include "triattn/policies/query_window.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+struct rkv_config {
+  int window = 8;          ///< α: queries that score, and slots always kept
+  int kernel = 7;          ///< max-pooling kernel of the importance, odd
+  float lambda = 0.1f;     ///< mix: Z = λ I − (1 − λ) R, in [0, 1]
+  float threshold = 0.5f;  ///< cosine similarity above which two keys are near-duplicates
+  schedule sched = schedule::with_slack(128);  ///< buffer: rounds at budget + 128, cut to budget
+
+  /// The paper's table and TriAttention's copy (the defaults): λ = 0.1.
+  static rkv_config paper() { return {}; }
+  /// The reference repository's `R1KV` class and run script: λ = 0.07.
+  static rkv_config reference_code() {
+    rkv_config c;
+    c.lambda = 0.07f;
+    return c;
+  }
+};
+
+namespace detail {
+
+inline void validate_rkv_config(const char* api, const rkv_config& c) {
+  TRIATTN_CHECK(c.window >= 1, api, "window ", c.window, " must be >= 1");
+  TRIATTN_CHECK(c.kernel >= 1 && c.kernel % 2 == 1, api, "kernel ", c.kernel, " must be odd and >= 1");
+  TRIATTN_CHECK(c.lambda >= 0.0f && c.lambda <= 1.0f, api, "lambda ", c.lambda, " must be in [0, 1]");
+  TRIATTN_CHECK(std::isfinite(c.threshold), api, "threshold ", c.threshold, " must be finite");
+}
+
+/// Importance `out` [p] from the group-max logits `max_logits` [m, p] (softmaxed in place).
+/// Shared by the recomputed and the materialised paths.
+inline void rkv_importance(row_matrix& max_logits, int kernel, std::span<float> out) {
+  softmax_rows(max_logits);
+  const Eigen::RowVectorXf mean = max_logits.colwise().mean();
+  pool1d({mean.data(), out.size()}, out, kernel, pooling::max);
+}
+
+/// Z = λ I − (1 − λ) R on the prefix: `out` [p] from `importance` [p] and `redundancy` [>= p].
+inline void rkv_mix(std::span<const float> importance, std::span<const float> redundancy, float lambda,
+                    std::span<float> out) {
+  for (std::size_t j = 0; j < out.size(); ++j) out[j] = lambda * importance[j] - (1.0f - lambda) * redundancy[j];
+}
+
+}  // namespace detail
+
+/// Redundancy `out` [n] of keys `keys` [n, D] (see the file comment). Row blocks of K̂K̂ᵀ keep
+/// the memory at O(block x n) instead of O(n²).
+inline void rkv_redundancy(const const_rows& keys, float threshold, std::span<float> out) {
+  const char* api = "triattn::rkv_redundancy";
+  const Eigen::Index n = keys.rows();
+  TRIATTN_CHECK(out.size() == static_cast<std::size_t>(n), api, "output holds ", out.size(), " values, expected n ", n);
+  if (n == 0) return;
+  row_matrix unit = keys;
+  for (Eigen::Index i = 0; i < n; ++i) unit.row(i) /= unit.row(i).norm() + 1e-8f;  // the reference's epsilon
+  Eigen::RowVectorXf column_sum = Eigen::RowVectorXf::Zero(n);
+  constexpr Eigen::Index block = 256;
+  row_matrix s;
+  for (Eigen::Index i0 = 0; i0 < n; i0 += block) {
+    const Eigen::Index b = std::min(block, n - i0);
+    s.noalias() = unit.middleRows(i0, b) * unit.transpose();  // [b, n]
+    for (Eigen::Index r = 0; r < b; ++r) {
+      s(r, i0 + r) = 0.0f;
+      Eigen::Index newest = 0;  // the reference's quirk: no match -> 0
+      for (Eigen::Index j = n - 1; j > 0; --j)
+        if (s(r, j) > threshold) {
+          newest = j;
+          break;
+        }
+      s(r, newest) = 0.0f;
+    }
+    column_sum += s.colwise().sum();
+  }
+  Eigen::Map<Eigen::RowVectorXf> r(out.data(), n);
+  r = column_sum / static_cast<float>(n);
+  softmax_row(out.data(), n);
+}
+
+/// R-KV importance of one (layer, kv_head) of `n` slots from materialised logits `logits`
+/// [group, rows, n] (Q·Kᵀ/√D of the window queries over all n keys) into `out` [n − c.window].
+inline void rkv_importance_from_logits(std::span<const float> logits, int group, int rows, std::int64_t n,
+                                       const rkv_config& c, std::span<float> out) {
+  const char* api = "triattn::rkv_importance_from_logits";
+  detail::validate_rkv_config(api, c);
+  TRIATTN_CHECK(group >= 1 && rows >= 1 && n > c.window, api, "group ", group, ", rows ", rows, ", n ", n,
+                " must be >= 1, >= 1, > window ", c.window);
+  TRIATTN_CHECK(logits.size() == static_cast<std::size_t>(group) * static_cast<std::size_t>(rows) * static_cast<std::size_t>(n),
+                api, "logits holds ", logits.size(), " values, expected group ", group, " x rows ", rows, " x n ", n);
+  const std::int64_t p = n - c.window;
+  TRIATTN_CHECK(out.size() == static_cast<std::size_t>(p), api, "output holds ", out.size(), " values, expected n - window ", p);
+  const Eigen::Map<const row_matrix> all(logits.data(), static_cast<Eigen::Index>(group) * rows, n);  // [group * rows, n]
+  row_matrix max_logits = all.topRows(rows).leftCols(p);
+  for (int i = 1; i < group; ++i)
+    max_logits = max_logits.cwiseMax(all.middleRows(static_cast<Eigen::Index>(i) * rows, rows).leftCols(p));
+  detail::rkv_importance(max_logits, c.kernel, out);
+}
+
+/// R-KV scores of one (layer, kv_head) from materialised logits [group, rows, n] and the keys
+/// `keys` [n, head_dim] into `out` [n], +inf on the last `c.window` slots.
+inline void rkv_scores_from_logits(std::span<const float> logits, int group, int rows, std::span<const float> keys,
+                                   int head_dim, const rkv_config& c, std::span<float> out) {
+  const char* api = "triattn::rkv_scores_from_logits";
+  TRIATTN_CHECK(head_dim >= 1 && keys.size() % static_cast<std::size_t>(head_dim) == 0, api, "keys hold ",
+                keys.size(), " values, not a whole number of rows of head_dim ", head_dim);
+  const auto n = static_cast<std::int64_t>(keys.size() / static_cast<std::size_t>(head_dim));
+  TRIATTN_CHECK(out.size() == static_cast<std::size_t>(n), api, "output holds ", out.size(), " scores, expected n ", n);
+  const std::int64_t p = std::max<std::int64_t>(n - c.window, 0);
+  std::fill(out.begin() + p, out.end(), std::numeric_limits<float>::infinity());
+  if (p == 0) return;
+  Eigen::RowVectorXf importance(p), redundancy(n);
+  rkv_importance_from_logits(logits, group, rows, n, c, {importance.data(), static_cast<std::size_t>(p)});
+  rkv_redundancy(Eigen::Map<const row_matrix>(keys.data(), n, head_dim), c.threshold,
+                 {redundancy.data(), static_cast<std::size_t>(n)});
+  detail::rkv_mix({importance.data(), static_cast<std::size_t>(p)}, {redundancy.data(), static_cast<std::size_t>(n)},
+                  c.lambda, out.first(static_cast<std::size_t>(p)));
+}
+
+class rkv : public window_policy<rkv> {
+ public:
+  rkv_config config;
+
+  rkv() = default;
+  explicit rkv(rkv_config c) : config(c) { detail::validate_rkv_config("triattn::rkv", config); }
+
+ private:
+  friend class window_policy<rkv>;
+  static constexpr window_policy_names names{"triattn::rkv::attach", "triattn::rkv::observe", "triattn::rkv::score",
+                                             "triattn::rkv::plan"};
+
+  int window_size() const { return config.window; }
+  void validate_config(const char* api) const { detail::validate_rkv_config(api, config); }
+
+  /// Importance from the recomputed window logits (max over the group, prefix keys only),
+  /// redundancy from all the keys, then the mix.
+  void score_prefix(const window_inputs& in, std::span<float> out) const {
+    const auto prefix_keys = in.keys.topRows(in.prefix);
+    const auto prefix_positions = in.key_positions.first(static_cast<std::size_t>(in.prefix));
+    row_matrix max_logits, logits;
+    for (int i = 0; i < in.group; ++i) {
+      window_logits(in.queries.middleRows(static_cast<Eigen::Index>(i) * in.rows, in.rows), in.query_positions,
+                    prefix_keys, prefix_positions, i == 0 ? max_logits : logits);
+      if (i > 0) max_logits = max_logits.cwiseMax(logits);
+    }
+    Eigen::RowVectorXf importance(in.prefix), redundancy(in.keys.rows());
+    detail::rkv_importance(max_logits, config.kernel, {importance.data(), out.size()});
+    rkv_redundancy(in.keys, config.threshold, {redundancy.data(), static_cast<std::size_t>(redundancy.size())});
+    detail::rkv_mix({importance.data(), out.size()}, {redundancy.data(), static_cast<std::size_t>(redundancy.size())},
+                    config.lambda, out);
+  }
+};
+
+TRIATTN_NAMESPACE_END
