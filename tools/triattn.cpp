@@ -172,7 +172,17 @@ class npy_cache {
     if (values_->shape != keys_.shape)
       throw triattn::error(path.string() + ": values have shape " + shape_text(values_->shape) + ", keys have " +
                            shape_text(keys_.shape));
-    if (values_->kind != keys_.kind) values_ = as_kind(std::move(*values_), keys_.kind);
+    // Mixed dtypes meet at float32, which holds float16 exactly: neither input loses precision
+    // (casting float32 values to float16 keys would change VATP's ||V||_1).
+    if (values_->kind != keys_.kind) {
+      if (keys_.kind == io::element_kind::f16) {
+        keys_ = as_kind(std::move(keys_), io::element_kind::f32);
+        bases_.clear();
+        for (int l = 0; l < layers_; ++l)
+          bases_.push_back(keys_.data.data() + layer_bytes() * static_cast<std::size_t>(l));
+      }
+      if (values_->kind == io::element_kind::f16) values_ = as_kind(std::move(*values_), io::element_kind::f32);
+    }
     value_bases_.clear();
     for (int l = 0; l < layers_; ++l)
       value_bases_.push_back(values_->data.data() + layer_bytes() * static_cast<std::size_t>(l));
@@ -329,6 +339,137 @@ int select_triattention(const options& o) {
 }
 
 // ------------------------------------------------------------------------------------------
+// Baselines: H2O and VATP read attention rows, SnapKV and R-KV the last w queries.
+
+/// An input array checked against [num_layers, -, -, n] of the keys; returns its second axis
+/// (the q-heads), which must be a multiple of the kv-heads.
+int check_rows(const io::npy_array& a, const std::string& path, const npy_cache& cache, std::int64_t last,
+               const char* what) {
+  const std::int64_t expected[] = {cache.layers(), -1, -1, last};
+  io::check_shape(a, expected, path, what);
+  if (a.shape[1] < 1 || a.shape[1] % cache.kv_heads() != 0)
+    throw triattn::error(path + ": " + std::to_string(a.shape[1]) + " q-heads are not a multiple of the keys' " +
+                         std::to_string(cache.kv_heads()) + " kv-heads");
+  if (a.shape[2] < 1) throw triattn::error(path + ": " + what + " has no rows");
+  return static_cast<int>(a.shape[1]);
+}
+
+/// The keys (and values, for VATP) of a baseline command, as a view with `q_heads` q-heads.
+/// Positions are the slot indices: the rows fed below sit at the last positions.
+template <class Policy>
+triattn::dense_kv_view baseline_view(npy_cache& cache, int q_heads, Policy& policy) {
+  const triattn::dense_kv_view view = cache.view(q_heads, triattn::key_state::post_rope, triattn::rope_desc{});
+  policy.attach(view);
+  return view;
+}
+
+/// Feeds `--attn` [L, Hq, rows, N]: row r of (l, h) is the query at position N - rows + r.
+template <class Policy>
+triattn::dense_kv_view feed_attention(const options& o, npy_cache& cache, Policy& policy) {
+  const std::string path = o.required("--attn");
+  const io::npy_array attn = io::read_npy(path);
+  const int q_heads = check_rows(attn, path, cache, cache.tokens(), "attention [num_layers, num_q_heads, rows, num_tokens]");
+  const std::vector<float> p = attn.to_float();
+  const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
+  const std::int64_t rows = attn.shape[2], n = cache.tokens();
+  for (int l = 0; l < cache.layers(); ++l)
+    for (int h = 0; h < q_heads; ++h)
+      for (std::int64_t r = 0; r < rows; ++r)
+        policy.observe(l, h, static_cast<std::int32_t>(n - rows + r), {},
+                       std::span<const float>(p).subspan(static_cast<std::size_t>(((l * q_heads + h) * rows + r) * n),
+                                                         static_cast<std::size_t>(n)));
+  return view;
+}
+
+/// Feeds `--queries` [L, Hq, w, D]: window row i of (l, h) is the query at position N - w + i.
+/// Sets the policy's window to w.
+template <class Policy>
+triattn::dense_kv_view feed_queries(const options& o, npy_cache& cache, Policy& policy) {
+  const std::string path = o.required("--queries");
+  const io::npy_array q = io::read_npy(path);
+  const int q_heads = check_rows(q, path, cache, cache.head_dim(), "queries [num_layers, num_q_heads, w, head_dim]");
+  const std::int64_t w = q.shape[2], n = cache.tokens(), d = cache.head_dim();
+  if (w > n) throw triattn::error(path + ": window " + std::to_string(w) + " exceeds num_tokens " + std::to_string(n));
+  policy.config.window = static_cast<int>(w);
+  const std::vector<float> v = q.to_float();
+  const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
+  for (int l = 0; l < cache.layers(); ++l)
+    for (int h = 0; h < q_heads; ++h)
+      for (std::int64_t i = 0; i < w; ++i)
+        policy.observe(l, h, static_cast<std::int32_t>(n - w + i),
+                       std::span<const float>(v).subspan(static_cast<std::size_t>(((l * q_heads + h) * w + i) * d),
+                                                         static_cast<std::size_t>(d)),
+                       {});
+  return view;
+}
+
+/// `score <policy>`: float32 [num_layers, num_kv_heads, num_tokens] after GQA aggregation.
+template <class Policy>
+void write_scores(const options& o, const npy_cache& cache, const Policy& policy, const triattn::dense_kv_view& view) {
+  const fs::path out = o.required("--out");
+  std::vector<float> scores(static_cast<std::size_t>(cache.layers()) * static_cast<std::size_t>(cache.kv_heads()) *
+                            static_cast<std::size_t>(cache.tokens()));
+  policy.score(view, scores);
+  const std::int64_t shape[] = {cache.layers(), cache.kv_heads(), cache.tokens()};
+  io::write_npy(out, io::element_kind::f32, shape, scores.data());
+}
+
+/// `select <policy>`: int64 [num_layers, num_kv_heads, min(B, num_tokens)], ascending.
+template <class Policy>
+void write_selection(const options& o, const npy_cache& cache, Policy& policy, const triattn::dense_kv_view& view) {
+  const std::int64_t budget = o.integer("--budget", 1);
+  const fs::path out = o.required("--out");
+  const triattn::keep_plan plan = policy.plan(view, budget);
+  std::vector<std::int64_t> keep(plan.indices.begin(), plan.indices.end());
+  const std::int64_t shape[] = {cache.layers(), cache.kv_heads(), std::min(budget, cache.tokens())};
+  write_int64(out, shape, keep);
+}
+
+triattn::gqa_aggregation gqa_option(const options& o) {
+  const std::string g = o.choice("--gqa", {"mean", "max", "sum"});
+  return g == "mean" ? triattn::gqa_aggregation::mean : g == "max" ? triattn::gqa_aggregation::max
+                                                                   : triattn::gqa_aggregation::sum;
+}
+
+/// Runs `score` or `select` for a baseline: `make` builds the policy from the options,
+/// `feed` gives it its inputs.
+template <class Policy>
+int run_baseline(const options& o, bool select, Policy policy,
+                 triattn::dense_kv_view (*feed)(const options&, npy_cache&, Policy&)) {
+  // Slot j holds position j (cli.md's formulas; the rows fed sit at the last positions):
+  // --positions is triattention's input, ignored here like every input a command does not use.
+  npy_cache cache(o.required("--keys"), std::nullopt);
+  if (const auto values = o.optional_value("--values")) cache.add_values(*values);
+  const triattn::dense_kv_view view = feed(o, cache, policy);
+  if (select) {
+    write_selection(o, cache, policy, view);
+  } else {
+    write_scores(o, cache, policy, view);
+  }
+  return 0;
+}
+
+int h2o_command(const options& o, bool select) {
+  triattn::h2o_config c;
+  c.gqa = gqa_option(o);
+  return run_baseline(o, select, triattn::h2o(c), feed_attention<triattn::h2o>);
+}
+int vatp_command(const options& o, bool select) {
+  if (!o.has("--values")) throw usage_error{"vatp needs --values [num_layers, num_kv_heads, num_tokens, head_dim]"};
+  triattn::vatp_config c;
+  c.gqa = gqa_option(o);
+  return run_baseline(o, select, triattn::vatp(c), feed_attention<triattn::vatp>);
+}
+int snapkv_command(const options& o, bool select) {
+  triattn::snapkv_config c;
+  c.gqa = gqa_option(o);
+  return run_baseline(o, select, triattn::snapkv(c), feed_queries<triattn::snapkv>);
+}
+int rkv_command(const options& o, bool select) {
+  return run_baseline(o, select, triattn::rkv(triattn::rkv_config::paper()), feed_queries<triattn::rkv>);
+}
+
+// ------------------------------------------------------------------------------------------
 // inspect, calibrate.
 
 int inspect(const options& o) {
@@ -394,14 +535,18 @@ int calibrate(const options& o) {
 
 // ------------------------------------------------------------------------------------------
 
-struct policy_commands {
+int triattention_command(const options& o, bool select) {
+  return select ? select_triattention(o) : score_triattention(o);
+}
+
+struct policy_command {
   std::string_view name;
-  int (*score)(const options&);
-  int (*select)(const options&);
+  int (*run)(const options&, bool select);
 };
 
-constexpr policy_commands policies[] = {
-    {"triattention", score_triattention, select_triattention},
+constexpr policy_command policies[] = {
+    {"triattention", triattention_command}, {"h2o", h2o_command},   {"snapkv", snapkv_command},
+    {"vatp", vatp_command},                 {"rkv", rkv_command},
 };
 
 const char* usage_text =
@@ -411,17 +556,23 @@ const char* usage_text =
     "  triattn inspect S.safetensors\n"
     "  triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]\n"
     "\n"
-    "policies: triattention\n"
-    "inputs (.npy, little-endian, C order; float32, float16 or float64):\n"
-    "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys\n"
+    "policies: triattention, h2o, vatp, snapkv, rkv\n"
+    "inputs (.npy, little-endian, C order; float32, float16 or float64); each command ignores those it does not use:\n"
+    "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys (all policies)\n"
+    "  --values V      [num_layers, num_kv_heads, num_tokens, head_dim] (vatp)\n"
+    "  --attn A        [num_layers, num_q_heads, rows, num_tokens] probabilities of the rows seen so far (h2o, vatp)\n"
+    "  --queries Q     [num_layers, num_q_heads, w, head_dim] the last w queries, post-RoPE (snapkv, rkv)\n"
     "  --stats S       triattn.stats.v1 safetensors (triattention)\n"
     "  --round-start R position of the next token (triattention)\n"
-    "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (default: slot index)\n"
+    "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (triattention; default: slot index)\n"
+    "  --gqa mean|max|sum   GQA aggregation of h2o, vatp, snapkv (default mean); triattention: max|mean\n"
     "triattention options: --offset-max N (65536) --aggregation mean|max --disable-trig --disable-norm\n"
-    "  --granularity per_kv_head|per_layer|union --gqa max|mean --no-normalize --window W\n"
+    "  --granularity per_kv_head|per_layer|union --no-normalize --window W\n"
     "  --protect-first P (positions < P are always kept) --pre-rope (keys stored before RoPE)\n"
-    "score writes float32 [num_layers, num_q_heads, num_tokens] raw scores; select writes int64\n"
-    "[num_kv_heads, min(B, num_tokens)] ascending ([num_layers, ...] with --granularity per_layer).\n"
+    "score writes float32 [num_layers, num_q_heads, num_tokens] raw scores for triattention and\n"
+    "[num_layers, num_kv_heads, num_tokens] (after GQA aggregation; always-kept window slots +inf) for the others.\n"
+    "select writes int64, ascending: triattention [num_kv_heads, min(B, num_tokens)] ([num_layers, ...] with\n"
+    "--granularity per_layer); the others [num_layers, num_kv_heads, min(B, num_tokens)].\n"
     "Errors print one line and exit with code 2; nothing is written then.\n";
 
 int run(int argc, char** argv) {
@@ -435,9 +586,9 @@ int run(int argc, char** argv) {
       throw usage_error{std::string(command) + " needs a policy name"};
     const options o(argc, argv, 3);
     if (o.has("--help")) return std::fputs(usage_text, stdout), 0;
-    for (const policy_commands& p : policies)
-      if (p.name == argv[2]) return command == "score" ? p.score(o) : p.select(o);
-    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: triattention)"};
+    for (const policy_command& p : policies)
+      if (p.name == argv[2]) return p.run(o, command == "select");
+    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: triattention, h2o, snapkv, vatp, rkv)"};
   }
   const options o(argc, argv, 2);
   if (o.has("--help")) return std::fputs(usage_text, stdout), 0;

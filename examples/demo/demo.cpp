@@ -33,7 +33,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct options {
-  std::vector<std::string> policies{"full", "streaming_llm", "triattention"};
+  std::vector<std::string> policies{"full", "streaming_llm", "h2o", "snapkv", "vatp", "rkv", "triattention"};
   std::int64_t budget = 64;
   std::int64_t slack = 16;
   int steps = 256;
@@ -61,7 +61,7 @@ void print_help() {
       "usage: triattn_demo [options]\n"
       "  A real model (stories260K) writes a story greedily from BOS with a compressed KV cache;\n"
       "  a full-cache copy reads the same tokens. Reports memory saved and KL(full || compressed).\n\n"
-      "  --policy LIST     comma-separated policies, one result each (default full,streaming_llm)\n"
+      "  --policy LIST     comma-separated policies, one result each (default: all of them)\n"
       "  --budget N        tokens kept per (layer, KV head) after a round (default 64)\n"
       "  --slack N         a round runs when the cache reaches budget + slack (default 16)\n"
       "  --steps N         tokens to generate; stops early when the story ends (default 256)\n"
@@ -181,6 +181,11 @@ run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std
   const auto start = std::chrono::steady_clock::now();
   llama2c::session full(m, o.steps);
   llama2c::session compressed(m, policy ? std::min<std::int64_t>(sched.peak_tokens(o.budget), o.steps) : o.steps);
+  std::optional<llama2c::policy_observer> feed;  // attention rows for the policies that read them
+  if (policy) {
+    policy->attach(compressed.view());
+    compressed.set_observer(&feed.emplace(*policy));
+  }
 
   run_result r;
   r.policy = name;

@@ -3,7 +3,7 @@
 /// tools that drive a `llama2c::session`.
 ///
 /// To add a policy: one line in `policy_registry`. `any_policy` forwards `plan`, `state`,
-/// `after_compact` and `set_position`, so it is itself a triattn policy: `triattn::compress` and
+/// `after_compact`, `set_position`, `attach` and `observe`, so it is itself a triattn policy: `triattn::compress` and
 /// `triattn::maybe_compress` take it like the policy it wraps.
 #pragma once
 
@@ -11,18 +11,24 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "llama2c/llama2c.hpp"
 #include "triattn/calibration/query_stats.hpp"
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/policies/h2o.hpp"
 #include "triattn/policies/policy.hpp"
+#include "triattn/policies/rkv.hpp"
+#include "triattn/policies/snapkv.hpp"
 #include "triattn/policies/streaming_llm.hpp"
 #include "triattn/policies/triattention.hpp"
+#include "triattn/policies/vatp.hpp"
 
 namespace llama2c {
 
@@ -41,6 +47,12 @@ class any_policy : public triattn::policy_base<any_policy> {
     self_->after_compact(view, plan);
   }
   void set_position(std::int64_t next_position) { self_->set_position(next_position); }
+  /// Sizes the policy's state for `view` (policies that observe attention keep per-slot state).
+  void attach(const triattn::dense_kv_view& view) { self_->attach(view); }
+  /// One query row of the engine's attention (see llama2c::observer).
+  void observe(int layer, int q_head, std::int32_t position, std::span<const float> q, std::span<const float> probs) {
+    self_->observe(layer, q_head, position, q, probs);
+  }
 
  private:
   struct base {
@@ -49,6 +61,9 @@ class any_policy : public triattn::policy_base<any_policy> {
     virtual std::vector<triattn::slot_state> state() = 0;
     virtual void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) = 0;
     virtual void set_position(std::int64_t next_position) = 0;
+    virtual void attach(const triattn::dense_kv_view& view) = 0;
+    virtual void observe(int layer, int q_head, std::int32_t position, std::span<const float> q,
+                         std::span<const float> probs) = 0;
   };
   // The optional hooks become no-ops for policies without them, as in triattn::compress.
   template <class P>
@@ -71,8 +86,30 @@ class any_policy : public triattn::policy_base<any_policy> {
     void set_position(std::int64_t next_position) override {
       if constexpr (requires(P& p) { p.set_position(next_position); }) policy.set_position(next_position);
     }
+    void attach(const triattn::dense_kv_view& view) override {
+      if constexpr (requires(P& p) { p.attach(view); }) policy.attach(view);
+    }
+    void observe(int layer, int q_head, std::int32_t position, std::span<const float> q,
+                 std::span<const float> probs) override {
+      if constexpr (requires(P& p) { p.observe(layer, q_head, position, q, probs); })
+        policy.observe(layer, q_head, position, q, probs);
+    }
   };
   std::unique_ptr<base> self_;
+};
+
+/// Feeds a session's attention to a policy: set it with `session::set_observer` after
+/// `policy.attach(session.view())`.
+class policy_observer final : public observer {
+ public:
+  explicit policy_observer(any_policy& p) : policy_(p) {}
+  void on_attention(int layer, int q_head, std::int32_t position, std::span<const float> q_post_rope,
+                    std::span<const float> probs) override {
+    policy_.observe(layer, q_head, position, q_post_rope, probs);
+  }
+
+ private:
+  any_policy& policy_;
 };
 
 /// What some policies need besides the cache: TriAttention's calibration statistics.
@@ -100,6 +137,14 @@ inline constexpr std::array policy_registry{
     policy_entry{"full", "no compression: the reference cache", nullptr},
     policy_entry{"streaming_llm", "4 attention sinks + the most recent tokens (Xiao et al. 2023)",
                  [](const policy_inputs&) { return any_policy(triattn::streaming_llm{}); }},
+    policy_entry{"h2o", "heavy hitters by accumulated attention + the most recent (Zhang et al. 2023)",
+                 [](const policy_inputs&) { return any_policy(triattn::h2o{}); }},
+    policy_entry{"snapkv", "votes of the last 8 queries, max-pooled (Li et al. 2024; decode-time variant)",
+                 [](const policy_inputs&) { return any_policy(triattn::snapkv(triattn::snapkv_config::decode())); }},
+    policy_entry{"vatp", "H2O's score x value L1 norm, 4 sinks (Guo et al. 2024)",
+                 [](const policy_inputs&) { return any_policy(triattn::vatp{}); }},
+    policy_entry{"rkv", "importance minus redundancy of the last 8 queries (Cai et al. 2025)",
+                 [](const policy_inputs&) { return any_policy(triattn::rkv(triattn::rkv_config::paper())); }},
     policy_entry{"triattention",
                  "calibrated query centres predict attention from distance (paper defaults: one keep set per KV "
                  "head, offsets to 65536)",
