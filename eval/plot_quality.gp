@@ -1,0 +1,38 @@
+# KL(full || compressed) against the KV budget, one line per policy, log-scale KL.
+#   gnuplot -e "csv='DIR/quality.csv'; out='DIR/quality.png'; policies='full random ...'" eval/plot_quality.gp
+# `full` has KL = 0, which a log axis cannot show: it is drawn on the floor `kl_floor` and its
+# key says so.
+if (!exists("csv")) csv = 'quality.csv'
+if (!exists("out")) out = 'quality.png'
+if (!exists("policies")) policies = 'full random window streaming_llm h2o snapkv vatp rkv triattention'
+if (!exists("title_note")) title_note = ''
+kl_floor = 1e-5
+
+if (strstrt(GPVAL_TERMINALS, "pngcairo") > 0) {
+  set terminal pngcairo size 1400,900 enhanced font "sans,11"
+} else {
+  set terminal png size 1400,900
+}
+set output out
+set datafile separator ","
+set title "KV-cache policies on stories260K: KL(full || compressed) vs budget".title_note noenhanced
+set xlabel "KV budget B (tokens per layer and KV head; peak = B + D)"
+set ylabel "mean KL(full || compressed), nats (log scale)"
+set logscale y
+set logscale x 2
+set format y "10^{%L}"
+set grid xtics ytics mytics
+set key outside right top noenhanced
+set xtics (16, 32, 64, 128, 256, 512, 1024)
+set offsets graph 0.03, graph 0.03, 0, 0
+
+colors = "#000000 #999999 #1f77b4 #17becf #8c564b #2ca02c #ff7f0e #bcbd22 #d62728 #e377c2 #9467bd #7f7f7f #1f77b4 #2ca02c #ff7f0e #d62728"
+do for [i=1:16] {
+  dash = (i > 8) ? 2 : 1
+  point = (i - 1) % 13 + 1
+  set linetype i linecolor rgb word(colors, i) linewidth 2 pointtype point dashtype dash
+}
+keyname(p) = (p eq "full") ? "full (KL = 0, drawn at 1e-5)" : p
+plot for [i=1:words(policies)] csv every ::1 \
+     using 2:(strcol(1) eq word(policies, i) ? ($5 > kl_floor ? $5 : kl_floor) : NaN) \
+     with linespoints linetype ((i - 1) % 16 + 1) title keyname(word(policies, i))

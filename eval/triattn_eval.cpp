@@ -1,0 +1,737 @@
+// triattn_eval: quality of every KV-cache policy at every budget on a llama2.c model (issue 5).
+//
+//   triattn_eval --model M.bin --tokenizer T.bin --text FILE --stats S.safetensors
+//                --policies full,random,window,... --budgets 32,64,128,256 --windows N
+//                --divide-length D --out DIR [--quick] [--threads T] [--prompts P]
+//
+// Teacher-forced over N windows of the text (llama2c::text_windows: blank-line paragraphs, BOS +
+// tokens each, concatenated to the model's context). Every policy runs on the same schedule: a
+// slack trigger of D tokens (a round when the cache holds budget + D tokens cuts it to budget),
+// so the peak is budget + D tokens for every policy. No prompt protection (the windows have no
+// prompt). Metrics cover the same positions for every row of one budget: every prediction made
+// after the first compression that has a true next token in the window. KL(full || compressed)
+// and top-1 agreement compare with the full-cache model on the same window; NLL is against the
+// true next token. The full-cache logits of a window are computed once and shared by all rows.
+//
+// Free generation: greedy continuations (default 400 tokens) from P prompts (default 50), the
+// first 32 tokens (BOS + tokens) of the first P paragraphs of the text with at least 32 tokens;
+// `gen_prefix` is the mean length of the prefix equal to the full-cache continuation. Generation
+// does not stop at BOS/EOS: it always runs the full length, so every row compares equal lengths.
+//
+// Outputs in DIR: quality.csv (deterministic: fixed seeds and formatting, results independent
+// of the thread count), quality.md (the table). Progress goes to stderr. Errors: one line on
+// stderr, exit code 2.
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "llama2c/llama2c.hpp"
+#include "llama2c/policies.hpp"
+#include "triattn/calibration/stats_file.hpp"
+#include "triattn/triattn.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct usage_error {
+  std::string message;
+};
+
+// ------------------------------------------------------------------------------------------
+// Policies of the evaluation: the registry's where it has them, plus the references below.
+
+/// Uniformly random keep sets per (layer, kv_head), from a fixed seed: the floor.
+class random_eviction : public triattn::policy_base<random_eviction> {
+ public:
+  explicit random_eviction(std::uint64_t seed) : rng_(seed) {}
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
+    const triattn::kv_geometry& g = view.geometry();
+    triattn::keep_plan p(g.num_layers, g.num_kv_heads);
+    std::vector<std::int32_t> slots;
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const std::int32_t n = view.length(l, h);
+        slots.resize(static_cast<std::size_t>(n));
+        for (std::int32_t i = 0; i < n; ++i) slots[static_cast<std::size_t>(i)] = i;
+        // Partial Fisher-Yates with our own index draw: std::shuffle and the distributions are
+        // implementation-defined; this is the same on every standard library.
+        const auto k = static_cast<std::size_t>(std::min<std::int64_t>(n, keep));
+        for (std::size_t i = 0; i < k; ++i) {
+          const std::uint64_t span = slots.size() - i;
+          const std::size_t j = i + static_cast<std::size_t>(rng_() % span);
+          std::swap(slots[i], slots[j]);
+        }
+        slots.resize(k);
+        std::sort(slots.begin(), slots.end());
+        p.push_row(slots);
+      }
+    return p;
+  }
+
+ private:
+  std::mt19937_64 rng_;
+};
+
+/// Keeps the last `budget` slots of every (layer, kv_head): the plain recency reference.
+class recent_window : public triattn::policy_base<recent_window> {
+ public:
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
+    const triattn::kv_geometry& g = view.geometry();
+    triattn::keep_plan p(g.num_layers, g.num_kv_heads);
+    std::vector<std::int32_t> slots;
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const std::int32_t n = view.length(l, h);
+        const auto k = static_cast<std::int32_t>(std::min<std::int64_t>(n, keep));
+        slots.clear();
+        for (std::int32_t s = n - k; s < n; ++s) slots.push_back(s);
+        p.push_row(slots);
+      }
+    return p;
+  }
+};
+
+struct eval_policy {
+  std::string name;
+  bool needs_stats = false;
+  /// A fresh policy for one sequence; std::nullopt for `full`. `seed` is per sequence.
+  std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t seed)> make;
+};
+
+std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t)> from_registry(
+    std::string_view name) {
+  const llama2c::policy_entry* e = llama2c::find_policy(name);
+  if (e == nullptr) throw usage_error{"policy " + std::string(name) + " is not in llama2c::policy_registry"};
+  return [e](const triattn::query_stats* s, std::uint64_t) { return e->create(llama2c::policy_inputs{s}); };
+}
+
+std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t)> tri(
+    triattn::triattention_config c) {
+  return [c](const triattn::query_stats* s, std::uint64_t) {
+    return std::optional(llama2c::any_policy(triattn::triattention(*s, c)));
+  };
+}
+
+triattn::triattention_config tri_config(triattn::triattention_granularity g, std::int64_t offset_max,
+                                        std::int64_t window = 0) {
+  triattn::triattention_config c = triattn::triattention_config::paper();
+  c.granularity = g;
+  c.offset_max = offset_max;
+  c.window = window;
+  return c;
+}
+
+std::vector<eval_policy> all_policies() {
+  using G = triattn::triattention_granularity;
+  std::vector<eval_policy> p;
+  p.push_back({"full", false, [](const triattn::query_stats*, std::uint64_t) { return std::optional<llama2c::any_policy>(); }});
+  p.push_back({"random", false, [](const triattn::query_stats*, std::uint64_t seed) {
+                 return std::optional(llama2c::any_policy(random_eviction(seed)));
+               }});
+  p.push_back({"window", false, [](const triattn::query_stats*, std::uint64_t) {
+                 return std::optional(llama2c::any_policy(recent_window{}));
+               }});
+  for (const char* n : {"streaming_llm", "h2o", "snapkv", "vatp", "rkv"}) p.push_back({n, false, from_registry(n)});
+  p.push_back({"triattention", true, from_registry("triattention")});
+  p.push_back({"triattention_o128", true, tri(tri_config(G::per_kv_head, 128))});
+  p.push_back({"triattention_per_layer", true, tri(tri_config(G::per_layer_kv_head, 65536))});
+  p.push_back({"triattention_per_layer_o512", true, tri(tri_config(G::per_layer_kv_head, 512))});
+  p.push_back({"triattention_per_layer_o128", true, tri(tri_config(G::per_layer_kv_head, 128))});
+  p.push_back({"triattention_per_layer_o16", true, tri(tri_config(G::per_layer_kv_head, 16))});
+  p.push_back({"triattention_per_layer_o128_w8", true, tri(tri_config(G::per_layer_kv_head, 128, 8))});
+  // The seed preset's union selection; its own trigger is replaced by the common schedule.
+  p.push_back({"triattention_seed", true, tri(triattn::triattention_config::seed())});
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------
+// Options
+
+struct options {
+  fs::path model, tokenizer, text, stats, out;
+  std::vector<std::string> policies;
+  std::vector<std::int64_t> budgets;
+  int windows = 200;
+  std::int64_t divide_length = 16;
+  int prompts = 50;
+  int prompt_tokens = 32;
+  int gen_tokens = 400;
+  int threads = 0;
+  bool quick = false;
+};
+
+std::vector<std::string> split(std::string_view s) {
+  std::vector<std::string> out;
+  while (!s.empty()) {
+    const auto c = std::min(s.find(','), s.size());
+    if (c > 0) out.emplace_back(s.substr(0, c));
+    s.remove_prefix(std::min(c + 1, s.size()));
+  }
+  return out;
+}
+
+std::int64_t parse_int(const std::string& opt, const std::string& v, std::int64_t lo) {
+  std::int64_t x = 0;
+  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (ec != std::errc() || end != v.data() + v.size() || x < lo)
+    throw usage_error{"option " + opt + ": '" + v + "' is not an integer >= " + std::to_string(lo)};
+  return x;
+}
+
+const char* usage_text =
+    "usage: triattn_eval --model M.bin --tokenizer T.bin --text FILE --stats S.safetensors\n"
+    "                    [--policies full,random,window,...] [--budgets 32,64,128,256] [--windows 200]\n"
+    "                    [--divide-length 16] [--prompts 50] [--gen-tokens 400] [--threads T]\n"
+    "                    --out DIR [--quick]\n"
+    "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n";
+
+options parse(int argc, char** argv) {
+  options o;
+  bool have_windows = false, have_budgets = false, have_prompts = false;
+  std::string policies = "", budgets = "32,64,128,256";
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(usage_text, stdout);
+      std::exit(0);
+    }
+    if (arg == "--quick") {
+      o.quick = true;
+      continue;
+    }
+    std::optional<std::string> value;
+    if (const auto eq = arg.find('='); eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg.resize(eq);
+    }
+    if (!value) {
+      if (i + 1 >= argc) throw usage_error{"option " + arg + " needs a value"};
+      value = argv[++i];
+    }
+    const std::string& v = *value;
+    if (arg == "--model") o.model = v;
+    else if (arg == "--tokenizer") o.tokenizer = v;
+    else if (arg == "--text") o.text = v;
+    else if (arg == "--stats") o.stats = v;
+    else if (arg == "--out") o.out = v;
+    else if (arg == "--policies") policies = v;
+    else if (arg == "--budgets") budgets = v, have_budgets = true;
+    else if (arg == "--windows") o.windows = static_cast<int>(parse_int(arg, v, 1)), have_windows = true;
+    else if (arg == "--divide-length") o.divide_length = parse_int(arg, v, 1);
+    else if (arg == "--prompts") o.prompts = static_cast<int>(parse_int(arg, v, 0)), have_prompts = true;
+    else if (arg == "--gen-tokens") o.gen_tokens = static_cast<int>(parse_int(arg, v, 1));
+    else if (arg == "--threads") o.threads = static_cast<int>(parse_int(arg, v, 1));
+    else throw usage_error{"unknown option " + arg};
+  }
+  if (o.quick) {
+    if (!have_windows) o.windows = 8;
+    if (!have_budgets) budgets = "32,64";
+    if (!have_prompts) o.prompts = 8;
+  }
+  for (const auto& [name, path] : {std::pair<const char*, const fs::path*>{"--model", &o.model},
+                                   {"--tokenizer", &o.tokenizer}, {"--text", &o.text}, {"--out", &o.out}})
+    if (path->empty()) throw usage_error{std::string("missing ") + name};
+  const std::vector<eval_policy> known = all_policies();
+  if (policies.empty())
+    for (const eval_policy& p : known) o.policies.push_back(p.name);
+  else
+    o.policies = split(policies);
+  for (const std::string& name : o.policies) {
+    const bool found = std::any_of(known.begin(), known.end(), [&](const eval_policy& p) { return p.name == name; });
+    if (!found) {
+      std::string names;
+      for (const eval_policy& p : known) names += (names.empty() ? "" : ", ") + p.name;
+      throw usage_error{"unknown policy " + name + " (known: " + names + ")"};
+    }
+  }
+  for (const std::string& b : split(budgets)) o.budgets.push_back(parse_int("--budgets", b, 1));
+  if (o.budgets.empty()) throw usage_error{"--budgets is empty"};
+  if (o.policies.empty()) throw usage_error{"--policies is empty"};
+  return o;
+}
+
+// ------------------------------------------------------------------------------------------
+// Text: paragraphs as llama2c::text_windows splits them, for the generation prompts.
+
+std::vector<std::vector<int>> paragraph_prompts(const llama2c::tokenizer& tok, std::string_view text, int min_tokens,
+                                                int count) {
+  std::vector<std::vector<int>> out;
+  constexpr std::string_view blank = " \t\r\f\v";
+  std::string paragraph;
+  const auto end_paragraph = [&] {
+    const auto first = paragraph.find_first_not_of(blank);
+    if (first == std::string::npos) return;
+    const auto last = paragraph.find_last_not_of(blank);
+    std::vector<int> ids{llama2c::bos_id};
+    const auto body = tok.encode(std::string_view(paragraph).substr(first, last + 1 - first), false, false);
+    ids.insert(ids.end(), body.begin(), body.end());
+    paragraph.clear();
+    if (ids.size() >= static_cast<std::size_t>(min_tokens)) {
+      ids.resize(static_cast<std::size_t>(min_tokens));
+      out.push_back(std::move(ids));
+    }
+  };
+  while (!text.empty() && out.size() < static_cast<std::size_t>(count)) {
+    const std::size_t eol = std::min(text.find('\n'), text.size());
+    std::string_view line = text.substr(0, eol);
+    text.remove_prefix(std::min(eol + 1, text.size()));
+    if (line.ends_with('\r')) line.remove_suffix(1);
+    if (line.find_first_not_of(blank) == std::string_view::npos) {
+      end_paragraph();
+    } else {
+      if (!paragraph.empty()) paragraph += '\n';
+      paragraph += line;
+    }
+  }
+  if (out.size() < static_cast<std::size_t>(count)) end_paragraph();
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// The evaluation
+
+double log_sum_exp(std::span<const float> z) {
+  const double max = *std::max_element(z.begin(), z.end());
+  double sum = 0.0;
+  for (const float v : z) sum += std::exp(v - max);
+  return max + std::log(sum);
+}
+
+/// Sums over the scored positions of one sequence.
+struct window_sums {
+  double kl = 0, top1 = 0, nll = 0;
+  std::int64_t n = 0;
+};
+
+struct job {  // one compressed (policy, budget) row
+  std::size_t policy;  // index into the evaluated policies
+  std::size_t budget;  // index into options::budgets
+};
+
+class evaluator {
+ public:
+  evaluator(const options& o, const llama2c::model& m, const std::vector<eval_policy>& policies,
+            const triattn::query_stats* stats, std::vector<std::vector<int>> windows,
+            std::vector<std::vector<int>> prompts)
+      : o_(o), m_(m), policies_(policies), stats_(stats), windows_(std::move(windows)), prompts_(std::move(prompts)),
+        sched_(triattn::schedule::with_slack(o.divide_length)) {
+    for (std::size_t p = 0; p < policies_.size(); ++p)
+      for (std::size_t b = 0; b < o_.budgets.size(); ++b)
+        if (policies_[p].name != "full") jobs_.push_back({p, b});
+    const std::size_t W = windows_.size(), P = prompts_.size();
+    sums_.assign(jobs_.size() * W, {});
+    full_sums_.assign(o_.budgets.size() * W, {});
+    peak_.assign(jobs_.size() * (W + P), 0);
+    full_peak_.assign(W + P, 0);
+    prefix_.assign(jobs_.size() * P, 0);
+    total_units_ = static_cast<std::int64_t>(W) * 512 * static_cast<std::int64_t>(jobs_.size() + 1) +
+                   static_cast<std::int64_t>(P) * (o_.prompt_tokens + o_.gen_tokens) *
+                       static_cast<std::int64_t>(jobs_.size() + 1);
+  }
+
+  void run(int threads) {
+    start_ = std::chrono::steady_clock::now();
+    const std::size_t tasks = windows_.size() + prompts_.size();
+    std::atomic<std::size_t> next{0};
+    std::mutex error_mutex;
+    std::string error;
+    const auto worker = [&] {
+      for (;;) {
+        const std::size_t t = next.fetch_add(1);
+        if (t >= tasks) return;
+        try {
+          if (t < windows_.size())
+            run_window(t);
+          else
+            run_prompt(t - windows_.size());
+        } catch (const std::exception& e) {
+          const std::lock_guard lock(error_mutex);
+          if (error.empty()) error = e.what();
+          next = tasks;
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
+    worker();
+    for (auto& th : pool) th.join();
+    std::fputc('\n', stderr);
+    if (!error.empty()) throw std::runtime_error(error);
+  }
+
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+  void write(const fs::path& dir, int threads) const;
+
+ private:
+  const options& o_;
+  const llama2c::model& m_;
+  const std::vector<eval_policy>& policies_;
+  const triattn::query_stats* stats_;
+  std::vector<std::vector<int>> windows_, prompts_;
+  triattn::schedule sched_;
+  std::vector<job> jobs_;
+  std::vector<window_sums> sums_;       // [job, window]
+  std::vector<window_sums> full_sums_;  // [budget, window]
+  std::vector<std::int64_t> peak_;      // [job, task]
+  std::vector<std::int64_t> full_peak_; // [task]
+  std::vector<std::int32_t> prefix_;    // [job, prompt]
+  std::atomic<std::int64_t> done_units_{0};
+  std::int64_t total_units_ = 1;
+  std::mutex progress_mutex_;
+  int last_shown_ = -1;
+  std::chrono::steady_clock::time_point start_;
+
+  std::size_t tasks() const { return windows_.size() + prompts_.size(); }
+
+  void progress(std::int64_t units) {
+    const std::int64_t done = done_units_.fetch_add(units) + units;
+    const int permille = static_cast<int>(1000 * done / std::max<std::int64_t>(total_units_, 1));
+    const std::lock_guard lock(progress_mutex_);
+    if (permille <= last_shown_) return;
+    last_shown_ = permille;
+    constexpr int width = 40;
+    const int filled = std::min(width, permille * width / 1000);
+    std::fprintf(stderr, "\rtriattn_eval [%s%s] %5.1f%% %6.1fs", std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                 std::string(static_cast<std::size_t>(width - filled), '.').c_str(), permille / 10.0, seconds());
+    std::fflush(stderr);
+  }
+
+  /// A seed per (job, sequence), so results do not depend on the thread schedule.
+  static std::uint64_t seed_of(std::size_t job_index, std::size_t sequence) {
+    std::seed_seq seq{0u, static_cast<unsigned>(job_index), static_cast<unsigned>(sequence)};
+    std::uint64_t out[1] = {};
+    std::uint32_t words[2] = {};
+    seq.generate(words, words + 2);
+    out[0] = (static_cast<std::uint64_t>(words[0]) << 32) | words[1];
+    return out[0];
+  }
+
+  /// The first step after which the schedule compresses a cache growing by one token a step.
+  std::int64_t first_compression_step(std::int64_t budget, std::int64_t steps) const {
+    for (std::int64_t t = 0; t < steps; ++t)
+      if (sched_.should_compress(t + 1, budget, t + 1)) return t;
+    return steps;
+  }
+
+  struct runner {
+    llama2c::session session;
+    std::optional<llama2c::any_policy> policy;
+    std::optional<llama2c::policy_observer> feed;
+    std::int64_t budget;
+    std::int64_t peak = 0;
+    bool compressed = false;
+
+    runner(const llama2c::model& m, std::int64_t capacity, std::optional<llama2c::any_policy> p, std::int64_t b)
+        : session(m, capacity), policy(std::move(p)), budget(b) {
+      if (policy) {
+        policy->attach(session.view());
+        feed.emplace(*policy);
+        session.set_observer(&*feed);
+      }
+    }
+    runner(const runner&) = delete;
+    runner& operator=(const runner&) = delete;
+
+    /// Forward, then a round when the schedule says so. The logits stay valid until the next step.
+    std::span<const float> step(int token, const triattn::schedule& sched) {
+      const auto logits = session.forward(token);
+      peak = std::max(peak, session.kv_bytes());
+      if (policy) compressed |= triattn::maybe_compress(*policy, session.view(), budget, sched, session.position());
+      return logits;
+    }
+  };
+
+  void run_window(std::size_t w) {
+    const std::vector<int>& tokens = windows_[w];
+    const auto T = static_cast<std::int64_t>(tokens.size());
+    const auto V = static_cast<std::size_t>(m_.config().vocab_size);
+    // The full-cache reference: log-probabilities, probabilities and argmax of every step.
+    std::vector<double> logp(static_cast<std::size_t>(T) * V), prob(logp.size());
+    std::vector<int> top(static_cast<std::size_t>(T));
+    std::vector<double> nll_full(static_cast<std::size_t>(T), 0.0);
+    {
+      llama2c::session full(m_, T);
+      for (std::int64_t t = 0; t < T; ++t) {
+        const auto logits = full.forward(tokens[static_cast<std::size_t>(t)]);
+        full_peak_[w] = std::max(full_peak_[w], full.kv_bytes());
+        const double lse = log_sum_exp(logits);
+        for (std::size_t i = 0; i < V; ++i) {
+          logp[static_cast<std::size_t>(t) * V + i] = logits[i] - lse;
+          prob[static_cast<std::size_t>(t) * V + i] = std::exp(logits[i] - lse);
+        }
+        top[static_cast<std::size_t>(t)] = llama2c::argmax(logits);
+        if (t + 1 < T)
+          nll_full[static_cast<std::size_t>(t)] = -logp[static_cast<std::size_t>(t) * V +
+                                                        static_cast<std::size_t>(tokens[static_cast<std::size_t>(t + 1)])];
+      }
+    }
+    for (std::size_t b = 0; b < o_.budgets.size(); ++b) {
+      window_sums& s = full_sums_[b * windows_.size() + w];
+      for (std::int64_t t = first_compression_step(o_.budgets[b], T) + 1; t + 1 < T; ++t) {
+        s.nll += nll_full[static_cast<std::size_t>(t)];
+        s.top1 += 1;
+        ++s.n;
+      }
+    }
+    progress(T);
+
+    for (std::size_t j = 0; j < jobs_.size(); ++j) {
+      const std::int64_t budget = o_.budgets[jobs_[j].budget];
+      runner r(m_, sched_.peak_tokens(budget),
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, w)), budget);
+      window_sums& s = sums_[j * windows_.size() + w];
+      for (std::int64_t t = 0; t < T; ++t) {
+        const bool scored = r.compressed && t + 1 < T;  // compressed before this step's forward
+        const auto logits = r.session.forward(tokens[static_cast<std::size_t>(t)]);
+        r.peak = std::max(r.peak, r.session.kv_bytes());
+        if (scored) {
+          const double lse = log_sum_exp(logits);
+          const std::size_t row = static_cast<std::size_t>(t) * V;
+          double kl = 0.0;
+          for (std::size_t i = 0; i < V; ++i) kl += prob[row + i] * (logp[row + i] - (logits[i] - lse));
+          s.kl += kl;
+          s.top1 += llama2c::argmax(logits) == top[static_cast<std::size_t>(t)] ? 1.0 : 0.0;
+          s.nll += -(logits[static_cast<std::size_t>(tokens[static_cast<std::size_t>(t + 1)])] - lse);
+          ++s.n;
+        }
+        r.compressed |=
+            triattn::maybe_compress(*r.policy, r.session.view(), budget, sched_, r.session.position());
+      }
+      peak_[j * tasks() + w] = r.peak;
+      progress(T);
+    }
+  }
+
+  /// Greedy continuation of `prompt`: o_.gen_tokens tokens.
+  std::vector<int> generate(runner& r, const std::vector<int>& prompt) {
+    std::span<const float> logits;
+    for (const int t : prompt) logits = r.step(t, sched_);
+    std::vector<int> out;
+    out.reserve(static_cast<std::size_t>(o_.gen_tokens));
+    for (int g = 0; g < o_.gen_tokens; ++g) {
+      const int next = llama2c::argmax(logits);
+      out.push_back(next);
+      if (g + 1 < o_.gen_tokens) logits = r.step(next, sched_);
+    }
+    return out;
+  }
+
+  void run_prompt(std::size_t p) {
+    const std::vector<int>& prompt = prompts_[p];
+    const std::int64_t units = static_cast<std::int64_t>(prompt.size()) + o_.gen_tokens;
+    const std::size_t task = windows_.size() + p;
+    std::vector<int> reference;
+    {
+      runner full(m_, units, std::nullopt, 0);
+      reference = generate(full, prompt);
+      full_peak_[task] = full.peak;
+    }
+    progress(units);
+    for (std::size_t j = 0; j < jobs_.size(); ++j) {
+      const std::int64_t budget = o_.budgets[jobs_[j].budget];
+      runner r(m_, std::max(sched_.peak_tokens(budget), std::int64_t{1}),
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, task)), budget);
+      const std::vector<int> out = generate(r, prompt);
+      std::size_t k = 0;
+      while (k < out.size() && out[k] == reference[k]) ++k;
+      prefix_[j * prompts_.size() + p] = static_cast<std::int32_t>(k);
+      peak_[j * tasks() + task] = r.peak;
+      progress(units);
+    }
+  }
+
+};
+
+struct row {
+  std::string policy;
+  std::int64_t budget = 0;
+  double nll = NAN, ppl = NAN, kl = NAN, top1 = NAN, gen_prefix = NAN;
+  std::int64_t kv_bytes = 0;
+  double kl_se = NAN, top1_se = NAN, nll_se = NAN;
+  std::int64_t windows = 0, positions = 0, prompts = 0;
+};
+
+/// Mean over all positions, and the standard error of the per-window means across windows.
+void summarize(std::span<const window_sums> w, row& r) {
+  double kl = 0, top1 = 0, nll = 0;
+  std::int64_t n = 0, used = 0;
+  for (const window_sums& s : w) {
+    kl += s.kl, top1 += s.top1, nll += s.nll, n += s.n;
+    used += s.n > 0 ? 1 : 0;
+  }
+  r.windows = used;
+  r.positions = n;
+  if (n == 0) return;
+  r.kl = kl / static_cast<double>(n);
+  r.top1 = top1 / static_cast<double>(n);
+  r.nll = nll / static_cast<double>(n);
+  r.ppl = std::exp(r.nll);
+  const auto se = [&](auto get) -> double {
+    if (used < 2) return std::numeric_limits<double>::quiet_NaN();
+    double m = 0, q = 0;
+    for (const window_sums& s : w)
+      if (s.n > 0) m += get(s) / static_cast<double>(s.n);
+    m /= static_cast<double>(used);
+    for (const window_sums& s : w)
+      if (s.n > 0) {
+        const double d = get(s) / static_cast<double>(s.n) - m;
+        q += d * d;
+      }
+    return std::sqrt(q / static_cast<double>(used - 1) / static_cast<double>(used));
+  };
+  r.kl_se = se([](const window_sums& s) { return s.kl; });
+  r.top1_se = se([](const window_sums& s) { return s.top1; });
+  r.nll_se = se([](const window_sums& s) { return s.nll; });
+}
+
+std::string fmt(const char* f, double x) {
+  if (!std::isfinite(x)) return "nan";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, x);
+  return buf;
+}
+
+void evaluator::write(const fs::path& dir, int threads) const {
+  const std::size_t W = windows_.size(), P = prompts_.size();
+  std::vector<row> rows;
+  for (std::size_t p = 0; p < policies_.size(); ++p) {
+    for (std::size_t b = 0; b < o_.budgets.size(); ++b) {
+      row r;
+      r.policy = policies_[p].name;
+      r.budget = o_.budgets[b];
+      r.prompts = static_cast<std::int64_t>(P);
+      if (r.policy == "full") {
+        summarize({full_sums_.data() + b * W, W}, r);
+        if (r.positions > 0) r.kl = 0.0, r.top1 = 1.0, r.kl_se = 0.0, r.top1_se = 0.0;
+        r.kv_bytes = *std::max_element(full_peak_.begin(), full_peak_.end());
+        r.gen_prefix = P > 0 ? static_cast<double>(o_.gen_tokens) : std::numeric_limits<double>::quiet_NaN();
+      } else {
+        const auto j = static_cast<std::size_t>(
+            std::find_if(jobs_.begin(), jobs_.end(), [&](const job& x) { return x.policy == p && x.budget == b; }) -
+            jobs_.begin());
+        summarize({sums_.data() + j * W, W}, r);
+        r.kv_bytes = *std::max_element(peak_.begin() + static_cast<std::ptrdiff_t>(j * tasks()),
+                                       peak_.begin() + static_cast<std::ptrdiff_t>((j + 1) * tasks()));
+        if (P > 0) {
+          double sum = 0;
+          for (std::size_t q = 0; q < P; ++q) sum += prefix_[j * P + q];
+          r.gen_prefix = sum / static_cast<double>(P);
+        }
+      }
+      rows.push_back(r);
+    }
+  }
+
+  std::ostringstream csv;
+  csv << "policy,budget,nll,ppl,kl,top1,kv_bytes,gen_prefix,kl_se,top1_se,nll_se,windows,positions,divide_length,"
+         "prompts,gen_tokens\n";
+  for (const row& r : rows)
+    csv << r.policy << ',' << r.budget << ',' << fmt("%.6f", r.nll) << ',' << fmt("%.6f", r.ppl) << ','
+        << fmt("%.8f", r.kl) << ',' << fmt("%.6f", r.top1) << ',' << r.kv_bytes << ',' << fmt("%.3f", r.gen_prefix)
+        << ',' << fmt("%.8f", r.kl_se) << ',' << fmt("%.6f", r.top1_se) << ',' << fmt("%.6f", r.nll_se) << ','
+        << r.windows << ',' << r.positions << ',' << o_.divide_length << ',' << r.prompts << ',' << o_.gen_tokens
+        << '\n';
+
+  std::ostringstream md;
+  md << "# KV-cache policy quality (triattn_eval)\n\n"
+     << "Teacher-forced over " << W << " windows of " << (W > 0 ? windows_[0].size() : 0)
+     << " tokens of `" << o_.text.filename().string() << "`; slack trigger D = " << o_.divide_length
+     << " (peak = budget + D tokens for every policy); no prompt protection. KL(full || compressed) in nats, "
+        "top-1 agreement with the full cache and NLL of the true next token, over every prediction after the "
+        "first compression (the same positions for every row of a budget). ± is the standard error of the "
+        "per-window means across windows. gen_prefix: mean length of the prefix of "
+     << o_.gen_tokens << "-token greedy continuations of " << P << " prompts (" << o_.prompt_tokens
+     << " tokens) equal to the full cache's.\n\n"
+     << "| policy | B | KL | top-1 % | NLL | ppl | KV bytes | gen_prefix | positions |\n"
+     << "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const row& r : rows)
+    md << "| " << r.policy << " | " << r.budget << " | " << fmt("%.4f", r.kl) << " ± " << fmt("%.4f", r.kl_se)
+       << " | " << fmt("%.1f", 100 * r.top1) << " | " << fmt("%.4f", r.nll) << " ± " << fmt("%.4f", r.nll_se) << " | "
+       << fmt("%.3f", r.ppl) << " | " << r.kv_bytes << " | " << fmt("%.1f", r.gen_prefix) << " | " << r.positions
+       << " |\n";
+  md << "\nWall time: " << fmt("%.1f", seconds()) << " s on " << threads << " threads.\n";
+
+  fs::create_directories(dir);
+  const auto put = [&](const char* name, const std::string& text) {
+    const fs::path tmp = dir / (std::string(name) + ".tmp");
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << text;
+      if (!out.good()) throw std::runtime_error("cannot write " + tmp.string());
+    }
+    fs::rename(tmp, dir / name);
+  };
+  put("quality.csv", csv.str());
+  put("quality.md", md.str());
+}
+
+int run(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  const llama2c::model m = llama2c::model::load(o.model);
+  const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);
+  const std::string text = llama2c::read_file(o.text, "triattn_eval");
+
+  std::vector<eval_policy> policies;
+  const std::vector<eval_policy> known = all_policies();
+  bool need_stats = false;
+  for (const std::string& name : o.policies)
+    for (const eval_policy& p : known)
+      if (p.name == name) {
+        policies.push_back(p);
+        need_stats |= p.needs_stats;
+      }
+  std::optional<triattn::query_stats> stats;
+  if (need_stats) {
+    if (o.stats.empty()) throw usage_error{"the TriAttention policies need --stats (triattn calibrate)"};
+    stats = triattn::load_stats(o.stats);
+  }
+
+  auto windows = llama2c::text_windows(tok, text, m.config().seq_len, o.windows);
+  if (windows.empty()) throw usage_error{"the text holds no full window of " + std::to_string(m.config().seq_len) + " tokens"};
+  auto prompts = paragraph_prompts(tok, text, o.prompt_tokens, o.prompts);
+  const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  std::fprintf(stderr, "triattn_eval: %zu windows (%d asked), %zu prompts, %zu policies x %zu budgets, D = %lld, %d threads\n",
+               windows.size(), o.windows, prompts.size(), policies.size(), o.budgets.size(),
+               static_cast<long long>(o.divide_length), threads);
+
+  evaluator ev(o, m, policies, stats ? &*stats : nullptr, std::move(windows), std::move(prompts));
+  ev.run(threads);
+  ev.write(o.out, threads);
+  std::fprintf(stderr, "triattn_eval: wrote %s/quality.csv and quality.md in %.1f s\n", o.out.string().c_str(),
+               ev.seconds());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const usage_error& e) {
+    std::fprintf(stderr, "triattn_eval: %s\n", e.message.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "triattn_eval: %s\n", e.what());
+  }
+  return 2;
+}
