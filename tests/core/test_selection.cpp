@@ -265,3 +265,22 @@ TEST_CASE("select_keep keeps protected slots first, then the best others") {
   CHECK(triattn::select_keep(s, pos, {0, 0, 12}, 3) == index_list{0, 1, 5});
   CHECK(triattn::select_keep(s, {}, {0, 0, 0}, 10) == index_list{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
 }
+
+TEST_CASE("rank_key sorts as ranks_before: protected first, NaN last, -0 ties +0") {
+  auto g = triattn_test::rng(41);
+  const float special[] = {0.0f, -0.0f, inf, -inf, qnan, -qnan, 1.0f, -1.0f, 1e-45f, -1e-45f,
+                           std::numeric_limits<float>::max(), std::numeric_limits<float>::lowest()};
+  std::normal_distribution<float> normal(0.0f, 10.0f);
+  std::uniform_int_distribution<int> pick(0, 15);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const auto draw = [&] { const int i = pick(g); return i < 12 ? special[i] : normal(g); };
+    const float a = draw(), b = draw();
+    const bool pa = pick(g) == 0, pb = pick(g) == 0;
+    const std::int64_t ia = trial % 7, ib = trial % 5;
+    // ranks_before over (protected, score, slot): protected slots first, by slot.
+    const bool expected = pa != pb ? pa : (pa ? ia < ib : triattn::ranks_before(a, ia, b, ib));
+    const std::uint32_t ka = triattn::rank_key(a, pa), kb = triattn::rank_key(b, pb);
+    INFO("a " << a << (pa ? " protected" : "") << " slot " << ia << ", b " << b << (pb ? " protected" : "") << " slot " << ib);
+    CHECK((ka < kb || (ka == kb && ia < ib)) == expected);
+  }
+}

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "triattn/core/config.hpp"
+#include "triattn/core/dtype.hpp"
 #include "triattn/core/error.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
@@ -27,6 +28,19 @@ TRIATTN_HOST_DEVICE bool ranks_before(float sa, std::int64_t a, float sb, std::i
   if (na != nb) return nb;
   if (!na && sa != sb) return sa > sb;
   return a < b;
+}
+
+/// `ranks_before` as one unsigned sort key, for radix sorts (the CUDA selection): for slots in
+/// ascending order, a stable ascending sort by `rank_key` puts them in `ranks_before` order.
+/// Protected slots get 0 (first, by slot); higher scores get smaller keys; -0 ties +0; NaN
+/// gets the largest key. 0 and 0xffffffff are not the key of any number.
+TRIATTN_HOST_DEVICE std::uint32_t rank_key(float score, bool protected_slot) {
+  if (protected_slot) return 0u;
+  if (score != score) return 0xffffffffu;
+  std::uint32_t u = detail::float_bits(score);
+  if (u == 0x80000000u) u = 0u;  // -0 == +0: ranks_before ties them
+  const std::uint32_t ordered = (u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u);  // monotone in the score
+  return ~ordered;
 }
 
 /// Top-`k` of `scores` restricted to the slots where `candidate` is true (all slots when
@@ -94,7 +108,7 @@ enum class pooling : std::uint8_t {
 /// so that the output has n elements too. Shared by the CPU and CUDA paths.
 TRIATTN_HOST_DEVICE float pool_at(const float* x, std::int64_t n, std::int64_t j, int kernel, pooling kind) {
   const std::int64_t lo = j - kernel / 2, hi = j + kernel / 2;
-  float acc = kind == pooling::max ? -std::numeric_limits<float>::infinity() : 0.0f;
+  float acc = kind == pooling::max ? -INFINITY : 0.0f;  // INFINITY: usable in device code, unlike numeric_limits
   for (std::int64_t i = lo < 0 ? 0 : lo; i <= hi && i < n; ++i) {
     if (kind == pooling::max) {
       acc = x[i] > acc ? x[i] : acc;

@@ -1,0 +1,165 @@
+/// \file triattn/cuda/common.cuh
+/// \brief What every CUDA entry point shares: the batch of device views, the workspace
+/// protocol, host-side argument errors, the round status word and 16-byte row loads.
+///
+/// **Conventions** (CUB's): an entry point takes `(void* workspace, std::size_t&
+/// workspace_bytes, ..., cudaStream_t stream)`. With a null `workspace` it only stores the
+/// bytes it needs and returns `cudaSuccess`; otherwise it enqueues its kernels on `stream` and
+/// returns. Nothing allocates, nothing synchronises, nothing copies between host and device.
+/// Every pointer argument is device memory unless its comment says otherwise. A call whose
+/// host-side arguments are wrong enqueues nothing and returns `cudaErrorInvalidValue`;
+/// `last_error_message()` then names the API and the value.
+///
+/// **Device-side failures** (a non-finite key, a keep index out of range) cannot be returned
+/// without a synchronisation, so they are written to a caller-owned status word
+/// (`round_status`). A compaction given that word moves nothing when it is not `ok`: a failed
+/// round leaves the cache untouched, on the GPU as on the CPU.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "triattn/core/config.hpp"
+#include "triattn/core/dtype.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+namespace cuda {
+
+/// A batch of sequences: `views` [size] in device memory, each a `KVCacheView` model whose
+/// pointers (layer arrays, pools, block table, lengths, positions) are device pointers. Every
+/// view has the host copy `geometry` (one model) and a capacity of at most `capacity`, the row
+/// length of every per-slot buffer of the CUDA API ([batch, ..., capacity]).
+/// `geometry.rope.inv_freq_table`, when set, must point to device memory.
+template <KVCacheView V>
+struct view_batch {
+  const V* views = nullptr;
+  int size = 0;
+  kv_geometry geometry{};
+  std::int64_t capacity = 0;
+};
+
+/// The status word a round writes on the device. Zero means success; a compaction reading a
+/// non-zero word moves nothing.
+enum class round_status : std::int32_t {
+  ok = 0,
+  non_finite_key = 1,  ///< a scored key holds a NaN or an infinity
+  bad_keep = 2,        ///< keep indices not strictly ascending or outside [0, length)
+};
+
+/// The message of the last host-side argument error of this thread ("" when none).
+inline std::string& last_error_message() {
+  thread_local std::string message;
+  return message;
+}
+
+/// Largest head_dim of the CUDA path: a scorer holds one key row per thread.
+inline constexpr int max_head_dim = 256;
+
+namespace detail {
+
+/// Records "api: parts..." as this thread's last error and returns `cudaErrorInvalidValue`.
+template <class... Parts>
+cudaError_t reject(const char* api, const Parts&... parts) {
+  std::ostringstream os;
+  os << api << ": ";
+  (os << ... << parts);
+  last_error_message() = os.str();
+  return cudaErrorInvalidValue;
+}
+
+/// Carves 256-byte-aligned buffers out of one caller-provided block. With a null base it
+/// only counts, so one code path both sizes the workspace and lays it out.
+class workspace_carver {
+ public:
+  explicit workspace_carver(void* base) : base_(static_cast<std::byte*>(base)) {}
+  template <class T>
+  T* take(std::size_t count) {
+    const std::size_t at = used_;
+    used_ += (count * sizeof(T) + 255) / 256 * 256;
+    return base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + at);
+  }
+  std::size_t bytes() const { return used_; }
+
+ private:
+  std::byte* base_;
+  std::size_t used_ = 0;
+};
+
+/// The end of every entry point's sizing pass: a null workspace receives the size; a
+/// workspace smaller than that is an error naming `api`. Returns true when the caller should
+/// go on and launch.
+inline bool workspace_ready(const char* api, void* workspace, std::size_t& workspace_bytes,
+                            const workspace_carver& carver, cudaError_t& result) {
+  result = cudaSuccess;
+  if (workspace == nullptr) {
+    workspace_bytes = carver.bytes();
+    return false;
+  }
+  if (workspace_bytes < carver.bytes()) {
+    result = reject(api, "workspace holds ", workspace_bytes, " bytes, the call needs ", carver.bytes());
+    return false;
+  }
+  return true;
+}
+
+/// Host checks of a batch that need no device read: a non-empty batch, a well-formed model.
+template <KVCacheView V>
+cudaError_t check_batch(const char* api, const view_batch<V>& batch) {
+  const kv_geometry& g = batch.geometry;
+  if (batch.views == nullptr || batch.size < 1)
+    return reject(api, "batch of ", batch.size, " views at ", static_cast<const void*>(batch.views),
+                  ": expected a device array of >= 1 views");
+  if (g.num_layers < 1 || g.num_kv_heads < 1 || g.num_q_heads < 1 || g.num_q_heads % g.num_kv_heads != 0)
+    return reject(api, "geometry of ", g.num_layers, " layers, ", g.num_q_heads, " q_heads, ", g.num_kv_heads,
+                  " kv_heads: expected >= 1 layer and q_heads a positive multiple of kv_heads");
+  if (g.head_dim < 2 || g.head_dim % 2 != 0 || g.head_dim > max_head_dim)
+    return reject(api, "head_dim ", g.head_dim, " must be even and in [2, ", max_head_dim, "]");
+  if (batch.capacity < 0 || batch.capacity > INT32_MAX)
+    return reject(api, "capacity ", batch.capacity, " must be in [0, 2^31)");
+  return cudaSuccess;
+}
+
+/// Blocks of `threads` covering `n` items (at least one block, so that a grid is valid).
+inline unsigned blocks_for(std::int64_t n, int threads) {
+  const std::int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+#if defined(__CUDACC__)
+/// Reads `n` elements of a row of type `t` as floats into `out` [n]: 16-byte vector loads when
+/// the row is 16-byte aligned and a whole number of vectors, element loads otherwise. The
+/// conversions are the host's (dtype.hpp), so a key decodes to the same floats on both sides.
+__device__ inline void load_row(const std::byte* row, dtype t, int n, float* out) {
+  const std::size_t bytes = static_cast<std::size_t>(n) * dtype_bytes(t);
+  if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0 || bytes % 16 != 0) {
+    for (int d = 0; d < n; ++d) out[d] = load_element(row, t, static_cast<std::size_t>(d));
+    return;
+  }
+  const auto* vec = reinterpret_cast<const uint4*>(row);
+  const int per_vec = static_cast<int>(16 / dtype_bytes(t));
+  for (int v = 0; v < n / per_vec; ++v) {
+    const uint4 x = __ldg(vec + v);
+    const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
+    float* o = out + v * per_vec;
+    for (int w = 0; w < 4; ++w) {
+      if (t == dtype::f32) {
+        o[w] = ::TRIATTN_NAMESPACE::detail::bits_float(words[w]);
+      } else {
+        const auto lo = static_cast<std::uint16_t>(words[w] & 0xffffu);
+        const auto hi = static_cast<std::uint16_t>(words[w] >> 16);
+        o[2 * w] = t == dtype::f16 ? half_bits_to_float(lo) : bf16_bits_to_float(lo);
+        o[2 * w + 1] = t == dtype::f16 ? half_bits_to_float(hi) : bf16_bits_to_float(hi);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace detail
+}  // namespace cuda
+TRIATTN_NAMESPACE_END

@@ -1,0 +1,39 @@
+// The CPU side of the CUDA tests: what each kernel is compared against. Declared here with
+// plain types and defined in host .cpp files (reference_*.cpp) that the C++ compiler builds,
+// so the library's CPU code, and Eigen where it uses it, never goes through nvcc.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "support/views.hpp"
+#include "triattn/calibration/query_stats.hpp"
+#include "triattn/core/compaction.hpp"
+#include "triattn/core/selection.hpp"
+#include "triattn/policies/triattention.hpp"
+
+namespace triattn_cuda_test::cpu {
+
+/// Rows of keep indices, one per (layer, kv_head) in order, as the CPU plan or compaction has them.
+using keep_rows = std::vector<std::vector<std::int32_t>>;
+
+/// triattn::select_keep on one row.
+std::vector<std::int32_t> select_keep(const std::vector<float>& scores, const std::vector<std::int32_t>& positions,
+                                      const triattn::protection& prot, std::int64_t budget);
+
+/// triattn::compact of `cache` and `states` with `keep` (one row per (layer, kv_head)).
+void compact(triattn_test::test_cache& cache, const keep_rows& keep, std::span<const triattn::slot_state> states = {});
+
+/// triattn::triattention::score: [layers, q_heads, capacity], slots past a length left at 0.
+std::vector<float> triattention_scores(triattn_test::test_cache& cache, const triattn::query_stats& stats,
+                                       const triattn::triattention_config& config, std::int64_t round_start);
+
+/// triattn::triattention::plan's rows, with `set_position(round_start)`.
+keep_rows triattention_plan(triattn_test::test_cache& cache, const triattn::query_stats& stats,
+                            const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget);
+
+/// triattn::streaming_llm::plan's rows.
+keep_rows streaming_plan(triattn_test::test_cache& cache, std::int64_t sinks, std::int64_t budget);
+
+}  // namespace triattn_cuda_test::cpu
