@@ -33,6 +33,12 @@ std::vector<float> triattention_scores(triattn_test::test_cache& cache, const tr
 keep_rows triattention_plan(triattn_test::test_cache& cache, const triattn::query_stats& stats,
                             const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget);
 
+/// The smallest score gap at a cut of the double-precision oracle's decision for the same round
+/// (tests/support/triattention_reference.hpp), relative to the largest |raw score| when the
+/// rows are not z-scored: keep sets of two fp32 scorers may only differ below this.
+double triattention_margin(triattn_test::test_cache& cache, const triattn::query_stats& stats,
+                           const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget);
+
 /// triattn::streaming_llm::plan's rows.
 keep_rows streaming_plan(triattn_test::test_cache& cache, std::int64_t sinks, std::int64_t budget);
 

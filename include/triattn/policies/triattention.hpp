@@ -306,8 +306,8 @@ class triattention : public policy_base<triattention> {
     const double mean = sum / static_cast<double>(n);
     for (std::size_t s = 0; s < row.size(); ++s)
       if (candidate[s]) sq += (row[s] - mean) * (row[s] - mean);
-    const double std_dev = std::max(std::sqrt(sq / static_cast<double>(n)), 1e-6);
-    for (float& x : row) x = static_cast<float>((x - mean) / std_dev);
+    const double std_dev = triattention_row_std(sq, n);
+    for (float& x : row) x = triattention_zscore(x, mean, std_dev);
   }
 
   /// The row of (l, q-head) in the score buffer [layers, q_heads, capacity], first n slots.
@@ -317,24 +317,15 @@ class triattention : public policy_base<triattention> {
     return scores.subspan(at, static_cast<std::size_t>(n));
   }
 
-  /// Adds `weight` x the GQA reduction of the q-head rows of (l, kv_head h) to `acc` [n];
-  /// `red` is scratch.
+  /// Adds `weight` x the GQA reduction of the q-head rows of (l, kv_head h) to `acc` [n].
   template <KVCacheView V>
-  void add_group_score(const V& view, std::span<float> scores, int l, int h, float weight, std::span<float> acc,
-                       std::vector<float>& red) const {
+  void add_group_score(const V& view, std::span<float> scores, int l, int h, float weight, std::span<float> acc) const {
     const int G = view.geometry().group_size();
-    const auto n = static_cast<std::int32_t>(acc.size());
     const bool max = config.gqa_reduction == triattention_gqa_reduction::max;
-    const auto first = score_row(view, scores, l, h * G, n);
-    red.assign(first.begin(), first.end());
-    for (int gi = 1; gi < G; ++gi) {
-      const auto row = score_row(view, scores, l, h * G + gi, n);
-      for (std::int32_t s = 0; s < n; ++s) red[s] = max ? std::max(red[s], row[s]) : red[s] + row[s];
-    }
-    const float w = max ? weight : weight / static_cast<float>(G);
-    for (std::int32_t s = 0; s < n; ++s) acc[s] += w * red[s];
+    const auto first = score_row(view, scores, l, h * G, static_cast<std::int32_t>(acc.size()));
+    for (std::size_t s = 0; s < acc.size(); ++s)
+      acc[s] += triattention_group_term(first.data() + s, G, view.capacity(), max, weight);
   }
-
   /// z-scores the q-head rows of (l, kv_head h) when `normalize` is on.
   template <KVCacheView V>
   void normalize_rows(const V& view, std::span<float> scores, int l, int h,
@@ -351,13 +342,13 @@ class triattention : public policy_base<triattention> {
     std::vector<std::vector<std::int32_t>> keep(static_cast<std::size_t>(g.num_kv_heads));
     std::vector<std::int32_t> positions;
     std::vector<std::uint8_t> candidate;
-    std::vector<float> acc, red;
+    std::vector<float> acc;
     for (int h = 0; h < g.num_kv_heads; ++h) {
       slot_info(view, 0, h, positions, candidate);  // every layer holds the same slots
       acc.assign(positions.size(), 0.0f);
       for (int l = 0; l < g.num_layers; ++l) {
         normalize_rows(view, scores, l, h, candidate);
-        add_group_score(view, scores, l, h, 1.0f / static_cast<float>(g.num_layers), acc, red);
+        add_group_score(view, scores, l, h, 1.0f / static_cast<float>(g.num_layers), acc);
       }
       keep[h] = select_keep(acc, positions, protected_slots(), budget);
     }
@@ -373,13 +364,13 @@ class triattention : public policy_base<triattention> {
     keep_plan p(g.num_layers, g.num_kv_heads);
     std::vector<std::int32_t> positions;
     std::vector<std::uint8_t> candidate;
-    std::vector<float> acc, red;
+    std::vector<float> acc;
     for (int l = 0; l < g.num_layers; ++l) {
       for (int h = 0; h < g.num_kv_heads; ++h) {
         slot_info(view, l, h, positions, candidate);
         acc.assign(positions.size(), 0.0f);
         normalize_rows(view, scores, l, h, candidate);
-        add_group_score(view, scores, l, h, 1.0f, acc, red);
+        add_group_score(view, scores, l, h, 1.0f, acc);
         p.push_row(select_keep(acc, positions, protected_slots(), budget));
       }
     }

@@ -143,4 +143,29 @@ TRIATTN_HOST_DEVICE float triattention_key_score(const float* c_re, const float*
   return trig + detail::triattention_dot(e, k_abs, num_bands);
 }
 
+/// Population standard deviation of a row of n candidate scores whose squared deviations sum
+/// to `sum_sq`, floored at 1e-6 as the reference does (a constant row must not divide by 0).
+TRIATTN_HOST_DEVICE double triattention_row_std(double sum_sq, std::int64_t n) {
+  const double sd = std::sqrt(sum_sq / static_cast<double>(n));
+  return sd > 1e-6 ? sd : 1e-6;
+}
+
+/// The z-score of one raw score, formed in double (the row's mean can dwarf its spread).
+TRIATTN_HOST_DEVICE float triattention_zscore(float x, double mean, double std_dev) {
+  return static_cast<float>((x - mean) / std_dev);
+}
+
+/// `weight` x the GQA reduction of one slot over the `group` q-head rows of its KV head:
+/// `rows` points at the slot in the first q-head's row, the others follow `stride` apart. `max`
+/// takes the largest (as std::max), else the mean.
+TRIATTN_HOST_DEVICE float triattention_group_term(const float* rows, int group, std::int64_t stride, bool max,
+                                                  float weight) {
+  float red = rows[0];
+  for (int gi = 1; gi < group; ++gi) {
+    const float x = rows[gi * stride];
+    red = max ? (red < x ? x : red) : red + x;
+  }
+  return (max ? weight : weight / static_cast<float>(group)) * red;
+}
+
 TRIATTN_NAMESPACE_END

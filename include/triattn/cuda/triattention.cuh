@@ -1,0 +1,389 @@
+/// \file triattn/cuda/triattention.cuh
+/// \brief TriAttention on the GPU: the folded scorer over every layer and head of a batch,
+/// then the round's decision (z-score, GQA and layer reduction, selection) and, through
+/// `compact`, the in-place gather.
+///
+/// A round is four launches plus the selection's sorts:
+/// 1. coefficients: c_f [batch, layers, q_heads, sets, bands] and e_f [batch, layers, q_heads,
+///    bands] from the calibrated stats and each sequence's round start, once per round, on the
+///    device (one thread per band: phasors in double, as the CPU forms them);
+/// 2. scores: one thread per (sequence, layer, kv_head, slot) reads its key once with 16-byte
+///    loads, decodes f16/bf16 to fp32, forms the bands and |K_f| once for the GQA group and
+///    writes one score per q-head, accumulating in fp32;
+/// 3. z-scores per (sequence, layer, q_head) row over the candidate slots (double sums);
+/// 4. the GQA reduction and the layer mean into one row per selection segment.
+/// Every formula is triattention_math.hpp's: the CPU scorer calls the same functions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+
+#include "triattn/calibration/query_stats.hpp"
+#include "triattn/core/config.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/selection.hpp"
+#include "triattn/cuda/common.cuh"
+#include "triattn/cuda/compact.cuh"
+#include "triattn/cuda/select.cuh"
+#include "triattn/policies/triattention.hpp"
+#include "triattn/policies/triattention_math.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+namespace cuda {
+
+/// Calibrated query statistics in device memory, with the host copy of their shape.
+struct triattention_device_stats {
+  const float* q_mean_re = nullptr;   ///< [layers, q_heads, bands]
+  const float* q_mean_im = nullptr;   ///< [layers, q_heads, bands]
+  const float* q_abs_mean = nullptr;  ///< [layers, q_heads, bands]
+  int num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+  rope_style style = rope_style::half;
+  double attention_scale = 1.0;
+};
+
+/// Floats `upload_stats` needs in its device buffer: 3 x layers x q_heads x bands.
+inline std::size_t stats_floats(const query_stats& s) { return 3 * s.row(s.num_layers, 0); }
+
+/// Copies `s` into `device` [stats_floats(s)] on `stream` (an explicit copy the caller asks
+/// for, once per model) and describes it. `s` must stay alive until the copy has run.
+inline cudaError_t upload_stats(const query_stats& s, float* device, cudaStream_t stream,
+                                triattention_device_stats& out) {
+  const std::size_t n = s.row(s.num_layers, 0);
+  const float* parts[] = {s.q_mean_real.data(), s.q_mean_imag.data(), s.q_abs_mean.data()};
+  for (std::size_t i = 0; i < 3; ++i)
+    if (const cudaError_t err = cudaMemcpyAsync(device + i * n, parts[i], n * sizeof(float), cudaMemcpyHostToDevice, stream);
+        err != cudaSuccess)
+      return err;
+  out = {device, device + n, device + 2 * n, s.num_layers, s.num_q_heads, s.num_kv_heads, s.head_dim, s.style,
+         s.attention_scale};
+  return cudaSuccess;
+}
+
+namespace detail {
+
+/// Offsets, phasors and coefficient sets of a round: the CPU scorer's `score_into` setup.
+struct triattention_round {
+  int num_offsets;  ///< of {1, 2, 4, ..., <= offset_max}
+  int sets;         ///< 1 (mean folds every offset) or num_offsets (max)
+  double scale;     ///< triattention_coefficient_scale
+  bool trig, norm;  ///< terms kept by the ablation flags
+};
+
+inline triattention_round make_round(const triattention_config& c, const triattention_device_stats& stats,
+                                     key_state keys) {
+  const int n = triattention_num_offsets(c.offset_max);
+  return {n, c.aggregation == offset_aggregation::mean ? 1 : n,
+          triattention_coefficient_scale(stats.attention_scale, keys), !c.disable_trig, !c.disable_norm};
+}
+
+/// Largest number of offsets: 2^62 bounds every int64 offset_max.
+inline constexpr int max_offsets = 63;
+
+/// One thread per (sequence, layer, q_head, band): w_f, the round phasors and c_f, e_f.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    triattention_coefficients(kv_geometry g, triattention_device_stats stats, triattention_round round,
+                              const std::int64_t* round_starts, int batch, double* w, float* c_re, float* c_im,
+                              float* e) {
+  const int F = g.head_dim / 2;
+  const std::int64_t rows = std::int64_t{batch} * g.num_layers * g.num_q_heads;
+  const std::int64_t t = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
+  if (t >= rows * F) return;
+  const int f = static_cast<int>(t % F);
+  const std::int64_t row = t / F;                               // (b * layers + l) * q_heads + qh
+  const std::int64_t stats_row = row % (std::int64_t{g.num_layers} * g.num_q_heads);  // (l, qh)
+  const int b = static_cast<int>(row / (std::int64_t{g.num_layers} * g.num_q_heads));
+  const double wf = inv_freq(g.rope, g.head_dim, f);
+  if (row == 0) w[f] = wf;
+  std::int64_t offsets[max_offsets];
+  for (int j = 0; j < round.num_offsets; ++j) offsets[j] = triattention_offset(j);
+  const std::int64_t q = stats_row * F + f;
+  const int per_set = round.num_offsets / round.sets;
+  for (int j = 0; j < round.sets; ++j) {
+    const std::int64_t at = (row * round.sets + j) * F + f;
+    double w_re = 0.0, w_im = 0.0;
+    triattention_phasors(&wf, 1, round_starts[b], offsets + j * per_set, per_set, &w_re, &w_im);
+    c_re[at] = c_im[at] = 0.0f;
+    if (round.trig)
+      triattention_trig_coefficients(stats.q_mean_re + q, stats.q_mean_im + q, &w_re, &w_im, 1, round.scale,
+                                     c_re + at, c_im + at);
+  }
+  e[row * F + f] = 0.0f;
+  if (round.norm)
+    triattention_norm_coefficients(stats.q_mean_re + q, stats.q_mean_im + q, stats.q_abs_mean + q, 1, round.scale,
+                                   e + row * F + f);
+}
+
+/// One thread per (sequence, layer, kv_head, slot): the key's bands once, one score per q-head
+/// of the group into `scores` [batch, layers, q_heads, capacity]. `MaxDim` bounds head_dim so
+/// that the per-thread rows have a compile-time size.
+template <int Threads, int MaxDim, KVCacheView V>
+__global__ void __launch_bounds__(Threads)
+    triattention_scores(view_batch<V> batch, triattention_round round, const double* w, const float* c_re,
+                        const float* c_im, const float* e, float* scores, std::int32_t* status) {
+  const kv_geometry& g = batch.geometry;
+  const int F = g.head_dim / 2, G = g.group_size();
+  const int b = static_cast<int>(blockIdx.z);
+  const int l = static_cast<int>(blockIdx.y) / g.num_kv_heads, h = static_cast<int>(blockIdx.y) % g.num_kv_heads;
+  const V& view = batch.views[b];
+  const std::int64_t s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
+  if (s >= view.length(l, h)) return;
+  float key[MaxDim], k_re[MaxDim / 2], k_im[MaxDim / 2], k_abs[MaxDim / 2];
+  load_row(view.key(l, h, s), g.type, g.head_dim, key);
+  bool finite = true;
+  for (int d = 0; d < g.head_dim; ++d) finite = finite && isfinite(key[d]);
+  if (!finite && status != nullptr)
+    atomicCAS(status, static_cast<std::int32_t>(round_status::ok), static_cast<std::int32_t>(round_status::non_finite_key));
+  triattention_key_bands(key, g.head_dim, g.rope.style, k_re, k_im, k_abs);
+  if (g.keys == key_state::pre_rope) triattention_rotate_bands(k_re, k_im, w, F, view.position(l, h, s));
+  for (int gi = 0; gi < G; ++gi) {
+    const std::int64_t row = (std::int64_t{b} * g.num_layers + l) * g.num_q_heads + h * G + gi;
+    scores[row * batch.capacity + s] =
+        triattention_key_score(c_re + row * round.sets * F, c_im + row * round.sets * F, round.sets, e + row * F, k_re,
+                               k_im, k_abs, F);
+  }
+}
+
+/// Slots that every row keeps whatever their score, as the CPU policy protects them.
+inline protection triattention_protection(const triattention_config& c) {
+  return {0, c.window, c.protect_prompt ? c.prompt_length : 0};
+}
+
+/// One block per (sequence, layer, q_head) row: z-scores it in place over its candidate slots.
+template <int Threads, KVCacheView V>
+__global__ void __launch_bounds__(Threads)
+    triattention_normalize(view_batch<V> batch, protection prot, float* scores) {
+  using reduce = cub::BlockReduce<double, Threads>;
+  __shared__ typename reduce::TempStorage temp;
+  __shared__ double mean_shared, count_shared, std_shared;
+  const kv_geometry& g = batch.geometry;
+  const std::int64_t row = blockIdx.x;  // (b * layers + l) * q_heads + qh
+  const int qh = static_cast<int>(row % g.num_q_heads);
+  const int l = static_cast<int>(row / g.num_q_heads % g.num_layers);
+  const int b = static_cast<int>(row / g.num_q_heads / g.num_layers);
+  const V& view = batch.views[b];
+  const int h = qh / g.group_size();
+  const std::int32_t n = view.length(l, h);
+  float* x = scores + row * batch.capacity;
+  double sum = 0.0, count = 0.0;
+  for (std::int32_t s = static_cast<std::int32_t>(threadIdx.x); s < n; s += Threads)
+    if (!is_protected(prot, s, n, view.position(l, h, s))) sum += x[s], count += 1.0;
+  const double total = reduce(temp).Sum(sum);  // valid in thread 0
+  __syncthreads();                             // before `temp` is reused
+  const double candidates = reduce(temp).Sum(count);
+  if (threadIdx.x == 0) {
+    count_shared = candidates;
+    mean_shared = candidates > 0.0 ? total / candidates : 0.0;
+  }
+  __syncthreads();
+  if (count_shared == 0.0) return;  // no candidate: the row stays raw, as on the CPU (uniform exit)
+  const double mean = mean_shared;
+  double sq = 0.0;
+  for (std::int32_t s = static_cast<std::int32_t>(threadIdx.x); s < n; s += Threads)
+    if (!is_protected(prot, s, n, view.position(l, h, s))) sq += (x[s] - mean) * (x[s] - mean);
+  const double sum_sq = reduce(temp).Sum(sq);
+  if (threadIdx.x == 0) std_shared = triattention_row_std(sum_sq, static_cast<std::int64_t>(count_shared));
+  __syncthreads();
+  for (std::int32_t s = static_cast<std::int32_t>(threadIdx.x); s < n; s += Threads)
+    x[s] = triattention_zscore(x[s], mean, std_shared);
+}
+
+/// One thread per (segment, slot): the GQA reduction of every layer in the segment, weighted
+/// by 1 / layers for a per-KV-head decision, into `out` [segments, capacity]; and the
+/// segment's length and positions for the selection. A segment is (sequence, kv_head) or
+/// (sequence, layer, kv_head).
+template <int Threads, KVCacheView V>
+__global__ void __launch_bounds__(Threads)
+    triattention_combine(view_batch<V> batch, bool per_layer, bool max, const float* scores, float* out,
+                         std::int32_t* lengths, std::int32_t* positions) {
+  const kv_geometry& g = batch.geometry;
+  const int seg = static_cast<int>(blockIdx.y);
+  const int h = seg % g.num_kv_heads;
+  const int b = per_layer ? seg / g.num_kv_heads / g.num_layers : seg / g.num_kv_heads;
+  const int l0 = per_layer ? seg / g.num_kv_heads % g.num_layers : 0;  // every layer holds layer 0's slots otherwise
+  const V& view = batch.views[b];
+  const std::int32_t n = view.length(l0, h);
+  const std::int64_t s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
+  if (s == 0) lengths[seg] = n;
+  if (s >= n) return;
+  const int G = g.group_size();
+  const float weight = per_layer ? 1.0f : 1.0f / static_cast<float>(g.num_layers);
+  float acc = 0.0f;
+  for (int l = per_layer ? l0 : 0; l < (per_layer ? l0 + 1 : g.num_layers); ++l) {
+    const std::int64_t first = ((std::int64_t{b} * g.num_layers + l) * g.num_q_heads + h * G) * batch.capacity + s;
+    acc += triattention_group_term(scores + first, G, batch.capacity, max, weight);
+  }
+  out[seg * batch.capacity + s] = acc;
+  positions[seg * batch.capacity + s] = view.position(l0, h, s);
+}
+
+/// Copies each (sequence, kv_head) keep set to every layer: [batch, layers, kv_heads, budget].
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    broadcast_layers(kv_geometry g, int batch, std::int32_t budget, const std::int32_t* keep,
+                     const std::int32_t* kept, std::int32_t* out_keep, std::int32_t* out_kept) {
+  const std::int64_t rows = std::int64_t{batch} * g.num_layers * g.num_kv_heads;
+  const std::int64_t t = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
+  if (t >= rows * budget) return;
+  const std::int64_t row = t / budget, i = t % budget;  // row = (b * layers + l) * kv_heads + h
+  const std::int64_t seg = row / (std::int64_t{g.num_layers} * g.num_kv_heads) * g.num_kv_heads + row % g.num_kv_heads;
+  if (i < kept[seg]) out_keep[t] = keep[seg * budget + i];
+  if (i == 0) out_kept[row] = kept[seg];
+}
+
+template <KVCacheView V>
+cudaError_t check_triattention(const char* api, const view_batch<V>& batch, const triattention_device_stats& stats,
+                               const triattention_config& c) {
+  if (const cudaError_t err = check_batch(api, batch); err != cudaSuccess) return err;
+  const kv_geometry& g = batch.geometry;
+  if (stats.num_layers != g.num_layers || stats.num_q_heads != g.num_q_heads || stats.num_kv_heads != g.num_kv_heads ||
+      stats.head_dim != g.head_dim)
+    return reject(api, "stats for ", stats.num_layers, " layers, ", stats.num_q_heads, " q_heads, ",
+                  stats.num_kv_heads, " kv_heads, head_dim ", stats.head_dim, " do not match the batch's ",
+                  g.num_layers, ", ", g.num_q_heads, ", ", g.num_kv_heads, ", ", g.head_dim);
+  if (stats.style != g.rope.style || rotary_dims(g.rope, g.head_dim) != g.head_dim)
+    return reject(api, "stats and model disagree on the RoPE pairing, or rotary_dim ", g.rope.rotary_dim,
+                  " < head_dim ", g.head_dim, ": TriAttention needs every dim rotated with the stats' pairing");
+  if (stats.q_mean_re == nullptr || stats.q_mean_im == nullptr || stats.q_abs_mean == nullptr)
+    return reject(api, "device stats are null: call upload_stats first");
+  if (c.offset_max < 1) return reject(api, "offset_max ", c.offset_max, " must be >= 1");
+  return cudaSuccess;
+}
+
+/// The coefficient and score buffers of a round, carved from the workspace.
+struct triattention_buffers {
+  double* w;
+  float *c_re, *c_im, *e, *scores;
+};
+
+template <KVCacheView V>
+triattention_buffers carve_scoring(workspace_carver& ws, const view_batch<V>& batch, const triattention_round& round,
+                                   bool own_scores) {
+  const kv_geometry& g = batch.geometry;
+  const auto rows = static_cast<std::size_t>(batch.size) * g.num_layers * g.num_q_heads;
+  const auto F = static_cast<std::size_t>(g.head_dim / 2);
+  triattention_buffers out{};
+  out.w = ws.take<double>(F);
+  out.c_re = ws.take<float>(rows * round.sets * F);
+  out.c_im = ws.take<float>(rows * round.sets * F);
+  out.e = ws.take<float>(rows * F);
+  out.scores = own_scores ? ws.take<float>(rows * static_cast<std::size_t>(batch.capacity)) : nullptr;
+  return out;
+}
+
+template <KVCacheView V>
+cudaError_t launch_scoring(const view_batch<V>& batch, const triattention_device_stats& stats,
+                           const triattention_round& round, const std::int64_t* round_starts,
+                           const triattention_buffers& buf, float* scores, std::int32_t* status, cudaStream_t stream) {
+  constexpr int threads = 128;
+  const kv_geometry& g = batch.geometry;
+  const std::int64_t bands = std::int64_t{batch.size} * g.num_layers * g.num_q_heads * (g.head_dim / 2);
+  triattention_coefficients<threads><<<blocks_for(bands, threads), threads, 0, stream>>>(
+      g, stats, round, round_starts, batch.size, buf.w, buf.c_re, buf.c_im, buf.e);
+  const dim3 grid(blocks_for(batch.capacity, threads), static_cast<unsigned>(g.num_layers * g.num_kv_heads),
+                  static_cast<unsigned>(batch.size));
+  if (g.head_dim <= 64)
+    triattention_scores<threads, 64><<<grid, threads, 0, stream>>>(batch, round, buf.w, buf.c_re, buf.c_im, buf.e,
+                                                                   scores, status);
+  else if (g.head_dim <= 128)
+    triattention_scores<threads, 128><<<grid, threads, 0, stream>>>(batch, round, buf.w, buf.c_re, buf.c_im, buf.e,
+                                                                    scores, status);
+  else
+    triattention_scores<threads, max_head_dim><<<grid, threads, 0, stream>>>(batch, round, buf.w, buf.c_re, buf.c_im,
+                                                                             buf.e, scores, status);
+  return cudaGetLastError();
+}
+
+}  // namespace detail
+
+/// Raw TriAttention scores (not z-scored) of every key of the batch into `scores`
+/// [batch, layers, q_heads, capacity], as the CPU's `triattention::score`; slots past a length
+/// are not written. `round_starts` [batch]: each sequence's round start r (the position of its
+/// next token). `status` (may be null) receives `non_finite_key` when a key is NaN or infinite;
+/// that key's scores are then NaN.
+template <KVCacheView V>
+cudaError_t triattention_score(void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
+                               const triattention_device_stats& stats, const triattention_config& config,
+                               const std::int64_t* round_starts, float* scores, std::int32_t* status,
+                               cudaStream_t stream) {
+  const char* api = "triattn::cuda::triattention_score";
+  if (const cudaError_t err = detail::check_triattention(api, batch, stats, config); err != cudaSuccess) return err;
+  const detail::triattention_round round = detail::make_round(config, stats, batch.geometry.keys);
+  detail::workspace_carver ws(workspace);
+  const detail::triattention_buffers buf = detail::carve_scoring(ws, batch, round, false);
+  cudaError_t err;
+  if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
+  if (scores == nullptr || round_starts == nullptr) return detail::reject(api, "scores and round_starts must not be null");
+  return detail::launch_scoring(batch, stats, round, round_starts, buf, scores, status, stream);
+}
+
+/// A TriAttention round's keep plan for every sequence of the batch, cutting each
+/// (layer, kv_head) to `budget` slots: `keep` [batch, layers, kv_heads, budget] and `kept`
+/// [batch, layers, kv_heads], the layout `compact` reads (`device_keep_plan{keep, kept,
+/// budget}`). The decision is the CPU's `triattention::plan` for the `per_kv_head` and
+/// `per_layer_kv_head` granularities (z-score, GQA reduction, layer mean, protected prompt and
+/// window); `global_union` has no GPU path and is rejected. With `per_kv_head`, every layer of
+/// a sequence must hold the same slots (as on the CPU; not checked on the device). `status`
+/// (required) receives `non_finite_key` for a NaN or infinite key; pass it to `compact`, which
+/// then moves nothing.
+template <KVCacheView V>
+cudaError_t triattention_plan(void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
+                              const triattention_device_stats& stats, const triattention_config& config,
+                              const std::int64_t* round_starts, std::int32_t budget, std::int32_t* keep,
+                              std::int32_t* kept, std::int32_t* status, cudaStream_t stream) {
+  const char* api = "triattn::cuda::triattention_plan";
+  if (const cudaError_t err = detail::check_triattention(api, batch, stats, config); err != cudaSuccess) return err;
+  if (config.granularity == triattention_granularity::global_union)
+    return detail::reject(api, "granularity global_union has no CUDA path: use per_kv_head or per_layer_kv_head");
+  if (budget < 1) return detail::reject(api, "budget ", budget, " must be >= 1");
+  if (config.window < 0 || config.prompt_length < 0)
+    return detail::reject(api, "window ", config.window, " and prompt_length ", config.prompt_length, " must be >= 0");
+  const kv_geometry& g = batch.geometry;
+  const bool per_layer = config.granularity == triattention_granularity::per_layer_kv_head;
+  const int segments = batch.size * g.num_kv_heads * (per_layer ? g.num_layers : 1);
+  const auto cap = static_cast<std::size_t>(batch.capacity);
+  const detail::triattention_round round = detail::make_round(config, stats, g.keys);
+
+  detail::workspace_carver ws(workspace);
+  const detail::triattention_buffers buf = detail::carve_scoring(ws, batch, round, true);
+  auto* seg_scores = ws.take<float>(static_cast<std::size_t>(segments) * cap);
+  auto* seg_lengths = ws.take<std::int32_t>(static_cast<std::size_t>(segments));
+  auto* seg_positions = ws.take<std::int32_t>(static_cast<std::size_t>(segments) * cap);
+  auto* seg_keep = per_layer ? keep : ws.take<std::int32_t>(static_cast<std::size_t>(segments) * budget);
+  auto* seg_kept = per_layer ? kept : ws.take<std::int32_t>(static_cast<std::size_t>(segments));
+  const select_segments seg{seg_scores, seg_lengths, seg_positions, segments, batch.capacity};
+  const protection prot = detail::triattention_protection(config);
+  std::size_t select_bytes = 0;
+  cudaError_t err = select_keep(nullptr, select_bytes, seg, prot, budget, seg_keep, seg_kept, stream);
+  if (err != cudaSuccess) return err;
+  void* select_ws = ws.take<std::byte>(select_bytes);
+  if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
+  if (keep == nullptr || kept == nullptr || round_starts == nullptr || status == nullptr)
+    return detail::reject(api, "keep, kept, round_starts and status must not be null");
+
+  if ((err = detail::launch_scoring(batch, stats, round, round_starts, buf, buf.scores, status, stream)) != cudaSuccess)
+    return err;
+  constexpr int threads = 256;
+  if (config.normalize) {
+    const auto rows = static_cast<unsigned>(batch.size * g.num_layers * g.num_q_heads);
+    detail::triattention_normalize<threads><<<rows, threads, 0, stream>>>(batch, prot, buf.scores);
+  }
+  const bool max = config.gqa_reduction == triattention_gqa_reduction::max;
+  const dim3 grid(detail::blocks_for(batch.capacity, threads), static_cast<unsigned>(segments));
+  detail::triattention_combine<threads><<<grid, threads, 0, stream>>>(batch, per_layer, max, buf.scores, seg_scores,
+                                                                      seg_lengths, seg_positions);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = select_keep(select_ws, select_bytes, seg, prot, budget, seg_keep, seg_kept, stream)) != cudaSuccess)
+    return err;
+  if (per_layer) return cudaSuccess;
+  const std::int64_t items = std::int64_t{batch.size} * g.num_layers * g.num_kv_heads * budget;
+  detail::broadcast_layers<threads><<<detail::blocks_for(items, threads), threads, 0, stream>>>(
+      g, batch.size, budget, seg_keep, seg_kept, keep, kept);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+TRIATTN_NAMESPACE_END
