@@ -67,15 +67,16 @@ __global__ void __launch_bounds__(Threads) select_rank_keys(select_segments seg,
 
 /// The first min(budget, n) sorted slots of each segment, and the bounds of the second sort.
 template <int Threads>
-__global__ void __launch_bounds__(Threads) select_take_first(select_segments seg, std::int32_t budget, const std::uint64_t* sorted,
-                                  std::int32_t* picked, std::int32_t* kept, int* begin, int* end) {
+__global__ void __launch_bounds__(Threads) select_take_first(select_segments seg, std::int32_t budget, int slot_bits,
+                                                             const std::uint64_t* sorted, std::int32_t* picked,
+                                                             std::int32_t* kept, int* begin, int* end) {
   const int s = static_cast<int>(blockIdx.x);
   const std::int32_t n = seg.lengths[s];
   const std::int32_t k = n < budget ? n : budget;
   const std::int64_t row = static_cast<std::int64_t>(s) * seg.capacity;
   const std::int64_t out = static_cast<std::int64_t>(s) * budget;
   for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < k; i += static_cast<std::int32_t>(blockDim.x))
-    picked[out + i] = static_cast<std::int32_t>(sorted[row + i] & 0xffffffffu);
+    picked[out + i] = static_cast<std::int32_t>(sorted[row + i] & ((std::uint64_t{1} << slot_bits) - 1));
   if (threadIdx.x == 0) {
     kept[s] = k;
     begin[s] = static_cast<int>(out);
@@ -101,8 +102,6 @@ inline cudaError_t select_keep(void* workspace, std::size_t& workspace_bytes, co
   if (prot.first < 0 || prot.last < 0 || prot.prompt_length < 0)
     return detail::reject(api, "protection first ", prot.first, ", last ", prot.last, ", prompt_length ",
                           prot.prompt_length, " must be >= 0");
-  if (prot.prompt_length > 0 && seg.positions == nullptr)
-    return detail::reject(api, "prompt_length ", prot.prompt_length, " needs the slots' positions, which are null");
   const int items = static_cast<int>(seg.count * seg.capacity);
   const int picks = seg.count * budget;
 
@@ -124,6 +123,8 @@ inline cudaError_t select_keep(void* workspace, std::size_t& workspace_bytes, co
   if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
   if (keep == nullptr || kept == nullptr || seg.scores == nullptr || seg.lengths == nullptr)
     return detail::reject(api, "scores, lengths, keep and kept must not be null");
+  if (prot.prompt_length > 0 && seg.positions == nullptr)
+    return detail::reject(api, "prompt_length ", prot.prompt_length, " needs the slots' positions, which are null");
 
   constexpr int threads = 256;
   const unsigned row_blocks = detail::blocks_for(seg.capacity, threads);
@@ -134,7 +135,7 @@ inline cudaError_t select_keep(void* workspace, std::size_t& workspace_bytes, co
   err = cub::DeviceSegmentedRadixSort::SortKeys(sort_tmp, bytes, keys, sorted, items, seg.count, begin, end, 0,
                                                 32 + slot_bits, stream);
   if (err != cudaSuccess) return err;
-  detail::select_take_first<threads><<<static_cast<unsigned>(seg.count), threads, 0, stream>>>(seg, budget, sorted, picked,
+  detail::select_take_first<threads><<<static_cast<unsigned>(seg.count), threads, 0, stream>>>(seg, budget, slot_bits, sorted, picked,
                                                                                       kept, begin, end);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   bytes = order_bytes;
