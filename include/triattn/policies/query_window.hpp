@@ -38,6 +38,7 @@
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/policy.hpp"
+#include "triattn/policies/window_math.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
 
@@ -173,26 +174,19 @@ class query_window {
 inline void window_logits(const const_rows& q, std::span<const std::int32_t> q_positions, const const_rows& k,
                           std::span<const std::int32_t> k_positions, row_matrix& out) {
   out.noalias() = q * k.transpose();
-  out *= 1.0f / std::sqrt(static_cast<float>(q.cols()));
+  const float scale = window_logit_scale(static_cast<int>(q.cols()));
   for (Eigen::Index i = 0; i < out.rows(); ++i)
-    for (Eigen::Index j = 0; j < out.cols(); ++j)
-      if (k_positions[j] > q_positions[i]) out(i, j) = -std::numeric_limits<float>::infinity();
+    for (Eigen::Index j = 0; j < out.cols(); ++j) out(i, j) = window_logit(out(i, j), scale, k_positions[j], q_positions[i]);
 }
 
-/// Softmax of `x` [n] in place, in fp32. All −inf (every key masked) gives zeros: the row
-/// carries no attention.
+/// Softmax of `x` [n] in place, in fp32, element by element with the formulas the GPU uses
+/// (window_math.hpp). All −inf (every key masked) gives zeros: the row carries no attention.
 inline void softmax_row(float* x, Eigen::Index n) {
-  if (n == 0) return;
-  Eigen::Map<Eigen::RowVectorXf> r(x, n);
-  const float top = r.maxCoeff();
-  if (top == -std::numeric_limits<float>::infinity()) {
-    r.setZero();
-    return;
-  }
-  // Masked entries are set to 0 explicitly: Eigen's vectorised exp clamps its argument near
-  // −88 and would give them ~1e-38, turning ties of fully masked keys into noise.
-  r.array() = (r.array() == -std::numeric_limits<float>::infinity()).select(0.0f, (r.array() - top).exp());
-  r /= r.sum();
+  float top = -INFINITY;
+  for (Eigen::Index j = 0; j < n; ++j) top = std::max(top, x[j]);
+  float sum = 0.0f;
+  for (Eigen::Index j = 0; j < n; ++j) sum += x[j] = softmax_numerator(x[j], top);
+  for (Eigen::Index j = 0; j < n; ++j) x[j] = softmax_probability(x[j], sum);
 }
 
 /// Softmax of every row of `x` in place (see `softmax_row`).

@@ -31,7 +31,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -42,47 +41,27 @@
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/query_window.hpp"
+#include "triattn/policies/window_config.hpp"
+#include "triattn/policies/window_math.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
 
-struct rkv_config {
-  int window = 8;          ///< α: queries that score, and slots always kept
-  int kernel = 7;          ///< max-pooling kernel of the importance, odd
-  float lambda = 0.1f;     ///< mix: Z = λ I − (1 − λ) R, in [0, 1]
-  float threshold = 0.5f;  ///< cosine similarity above which two keys are near-duplicates
-  schedule sched = schedule::with_slack(128);  ///< buffer: rounds at budget + 128, cut to budget
-
-  /// The paper's table and TriAttention's copy (the defaults): λ = 0.1.
-  static rkv_config paper() { return {}; }
-  /// The reference repository's `R1KV` class and run script: λ = 0.07.
-  static rkv_config reference_code() {
-    rkv_config c;
-    c.lambda = 0.07f;
-    return c;
-  }
-};
-
 namespace detail {
-
-inline void validate_rkv_config(const char* api, const rkv_config& c) {
-  TRIATTN_CHECK(c.window >= 1, api, "window ", c.window, " must be >= 1");
-  TRIATTN_CHECK(c.kernel >= 1 && c.kernel % 2 == 1, api, "kernel ", c.kernel, " must be odd and >= 1");
-  TRIATTN_CHECK(c.lambda >= 0.0f && c.lambda <= 1.0f, api, "lambda ", c.lambda, " must be in [0, 1]");
-  TRIATTN_CHECK(std::isfinite(c.threshold), api, "threshold ", c.threshold, " must be finite");
-}
 
 /// Importance `out` [p] from the group-max logits `max_logits` [m, p] (softmaxed in place).
 /// Shared by the recomputed and the materialised paths.
 inline void rkv_importance(row_matrix& max_logits, int kernel, std::span<float> out) {
   softmax_rows(max_logits);
-  const Eigen::RowVectorXf mean = max_logits.colwise().mean();
+  Eigen::RowVectorXf mean(max_logits.cols());
+  for (Eigen::Index j = 0; j < mean.size(); ++j)
+    mean[j] = rkv_attention_mean(max_logits.col(j).sum(), static_cast<int>(max_logits.rows()));
   pool1d({mean.data(), out.size()}, out, kernel, pooling::max);
 }
 
 /// Z = λ I − (1 − λ) R on the prefix: `out` [p] from `importance` [p] and `redundancy` [>= p].
-inline void rkv_mix(std::span<const float> importance, std::span<const float> redundancy, float lambda,
+inline void rkv_mix_prefix(std::span<const float> importance, std::span<const float> redundancy, float lambda,
                     std::span<float> out) {
-  for (std::size_t j = 0; j < out.size(); ++j) out[j] = lambda * importance[j] - (1.0f - lambda) * redundancy[j];
+  for (std::size_t j = 0; j < out.size(); ++j) out[j] = rkv_mix(importance[j], redundancy[j], lambda);
 }
 
 }  // namespace detail
@@ -95,7 +74,7 @@ inline void rkv_redundancy(const const_rows& keys, float threshold, std::span<fl
   TRIATTN_CHECK(out.size() == static_cast<std::size_t>(n), api, "output holds ", out.size(), " values, expected n ", n);
   if (n == 0) return;
   row_matrix unit = keys;
-  for (Eigen::Index i = 0; i < n; ++i) unit.row(i) /= unit.row(i).norm() + 1e-8f;  // the reference's epsilon
+  for (Eigen::Index i = 0; i < n; ++i) unit.row(i) /= rkv_unit_divisor(unit.row(i).squaredNorm());
   Eigen::RowVectorXf column_sum = Eigen::RowVectorXf::Zero(n);
   constexpr Eigen::Index block = 256;
   row_matrix s;
@@ -103,19 +82,14 @@ inline void rkv_redundancy(const const_rows& keys, float threshold, std::span<fl
     const Eigen::Index b = std::min(block, n - i0);
     s.noalias() = unit.middleRows(i0, b) * unit.transpose();  // [b, n]
     for (Eigen::Index r = 0; r < b; ++r) {
-      s(r, i0 + r) = 0.0f;
-      Eigen::Index newest = 0;  // the reference's quirk: no match -> 0
-      for (Eigen::Index j = n - 1; j > 0; --j)
-        if (s(r, j) > threshold) {
-          newest = j;
-          break;
-        }
-      s(r, newest) = 0.0f;
+      float* row = s.row(r).data();  // row-major: the n cells of key i0 + r
+      for (Eigen::Index j = 0; j < n; ++j) row[j] = rkv_similarity(row[j], i0 + r, j);
+      const std::int64_t newest = rkv_newest_duplicate(row, n, threshold);
+      for (Eigen::Index j = 0; j < n; ++j) row[j] = rkv_column_term(row[j], j, newest);
     }
     column_sum += s.colwise().sum();
   }
-  Eigen::Map<Eigen::RowVectorXf> r(out.data(), n);
-  r = column_sum / static_cast<float>(n);
+  for (Eigen::Index j = 0; j < n; ++j) out[static_cast<std::size_t>(j)] = rkv_column_mean(column_sum[j], n);
   softmax_row(out.data(), n);
 }
 
@@ -154,7 +128,7 @@ inline void rkv_scores_from_logits(std::span<const float> logits, int group, int
   rkv_importance_from_logits(logits, group, rows, n, c, {importance.data(), static_cast<std::size_t>(p)});
   rkv_redundancy(Eigen::Map<const row_matrix>(keys.data(), n, head_dim), c.threshold,
                  {redundancy.data(), static_cast<std::size_t>(n)});
-  detail::rkv_mix({importance.data(), static_cast<std::size_t>(p)}, {redundancy.data(), static_cast<std::size_t>(n)},
+  detail::rkv_mix_prefix({importance.data(), static_cast<std::size_t>(p)}, {redundancy.data(), static_cast<std::size_t>(n)},
                   c.lambda, out.first(static_cast<std::size_t>(p)));
 }
 
@@ -187,7 +161,7 @@ class rkv : public window_policy<rkv> {
     Eigen::RowVectorXf importance(in.prefix), redundancy(in.keys.rows());
     detail::rkv_importance(max_logits, config.kernel, {importance.data(), out.size()});
     rkv_redundancy(in.keys, config.threshold, {redundancy.data(), static_cast<std::size_t>(redundancy.size())});
-    detail::rkv_mix({importance.data(), out.size()}, {redundancy.data(), static_cast<std::size_t>(redundancy.size())},
+    detail::rkv_mix_prefix({importance.data(), out.size()}, {redundancy.data(), static_cast<std::size_t>(redundancy.size())},
                     config.lambda, out);
   }
 };
