@@ -17,8 +17,7 @@
 /// state there: probabilities longer than the cache, or a cache shortened without it.
 #pragma once
 
-#include <Eigen/Core>
-
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +29,7 @@
 #include "triattn/core/error.hpp"
 #include "triattn/core/gqa.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/policies/accumulated_math.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
 
@@ -70,11 +70,12 @@ class accumulated_attention {
   /// Throws (recording nothing) for what `check_row` rejects.
   void observe(const char* api, int layer, int q_head, std::span<const float> probs, float weight = 1.0f) {
     check_row(api, layer, q_head, probs);
-    const auto n = static_cast<Eigen::Index>(probs.size());
-    Eigen::Map<Eigen::ArrayXf>(sums_.data() + sum_row(layer, q_head), n) +=
-        weight * Eigen::Map<const Eigen::ArrayXf>(probs.data(), n);
+    float* sums = sums_.data() + sum_row(layer, q_head);
+    for (std::size_t j = 0; j < probs.size(); ++j) sums[j] = accumulate_probability(sums[j], weight, probs[j]);
     const int G = q_heads_ / kv_heads_;
-    if (q_head % G == 0) Eigen::Map<count_array>(counts_.data() + count_row(layer, q_head / G), n) += 1;
+    if (q_head % G != 0) return;
+    std::int32_t* rows = counts_.data() + count_row(layer, q_head / G);
+    for (std::size_t j = 0; j < probs.size(); ++j) ++rows[j];
   }
 
   /// Checks that the state was attached for `view`'s geometry and capacity and holds nothing
@@ -100,8 +101,7 @@ class accumulated_attention {
 
   /// The group score of (layer, kv_head) into `out` [length]: the sums of the group's q-heads
   /// combined by `agg` and, with `normalize`, divided by the rows that saw each slot (0 for a
-  /// slot no row saw). The count is shared by the group, so dividing after combining is the
-  /// same as dividing each q-head's sum first.
+  /// slot no row saw); `accumulated_score`, which the CUDA path calls too.
   template <KVCacheView V>
   void group_scores(const V& view, int layer, int kv_head, gqa_aggregation agg, bool normalize,
                     std::span<float> out) const {
@@ -109,11 +109,9 @@ class accumulated_attention {
     const int G = q_heads_ / kv_heads_;
     TRIATTN_CHECK(static_cast<std::int64_t>(out.size()) == n, "triattn::accumulated_attention::group_scores",
                   "output holds ", out.size(), " scores, layer ", layer, " kv_head ", kv_head, " holds ", n, " slots");
-    gqa_combine(sums_.data() + sum_row(layer, kv_head * G), G, capacity_, n, agg, out.data());
-    if (!normalize) return;
-    Eigen::Map<Eigen::ArrayXf> s(out.data(), n);
-    const Eigen::Map<const count_array> rows(counts_.data() + count_row(layer, kv_head), n);
-    s = (rows > 0).select(s / rows.max(1).cast<float>(), 0.0f);
+    const float* sums = sums_.data() + sum_row(layer, kv_head * G);
+    const std::int32_t* rows = counts_.data() + count_row(layer, kv_head);
+    for (std::int32_t j = 0; j < n; ++j) out[j] = accumulated_score(sums + j, G, capacity_, rows[j], agg, normalize);
   }
 
   /// The per-slot arrays for `compact`: the sums [layers, q_heads, capacity] (a KV head owns
@@ -134,17 +132,14 @@ class accumulated_attention {
     for (int l = 0; l < layers_; ++l) {
       for (int h = 0; h < kv_heads_; ++h) {
         const std::int32_t n = view.length(l, h);
-        const Eigen::Index tail = capacity_ - n;
-        Eigen::Map<count_array>(counts_.data() + count_row(l, h) + n, tail).setZero();
-        for (int qh = h * G; qh < (h + 1) * G; ++qh)
-          Eigen::Map<Eigen::ArrayXf>(sums_.data() + sum_row(l, qh) + n, tail).setZero();
+        const auto clear = [&](auto* row) { std::fill(row + n, row + capacity_, 0); };
+        clear(counts_.data() + count_row(l, h));
+        for (int qh = h * G; qh < (h + 1) * G; ++qh) clear(sums_.data() + sum_row(l, qh));
       }
     }
   }
 
  private:
-  using count_array = Eigen::Array<std::int32_t, Eigen::Dynamic, 1>;
-
   bool attached_ = false;
   int layers_ = 0, q_heads_ = 0, kv_heads_ = 0;
   std::int64_t capacity_ = 0;

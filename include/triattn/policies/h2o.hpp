@@ -31,7 +31,6 @@
 /// (`masking_reference`, 0.1 + 0.1) are an option.
 #pragma once
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
@@ -47,26 +46,11 @@
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/policies/accumulated_math.hpp"
 #include "triattn/policies/attention_accumulator.hpp"
 #include "triattn/policies/policy.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
-
-/// How the prompt's rows enter the accumulated score.
-enum class prompt_scoring : std::uint8_t {
-  every_row,    ///< H2O: every observed row adds its probabilities
-  last_window,  ///< Scissorhands: only the last `scissorhands_window` prompt rows, each weighted 1 / window
-};
-
-/// A round's split of the budget, per (layer, kv_head).
-struct h2o_split {
-  std::int64_t recent = 0;  ///< the last slots, always kept
-  std::int64_t heavy = 0;   ///< slots kept by score; the first `sinks` slots take their places first
-  std::int64_t sinks = 0;   ///< at most `heavy`
-
-  /// Slots a row holding more keeps.
-  std::int64_t total() const { return recent + heavy; }
-};
 
 struct h2o_config {
   std::optional<std::int64_t> heavy;   ///< heavy-hitter slots (sinks included); unset: the budget left by recent
@@ -134,16 +118,13 @@ class accumulated_attention_policy : public policy_base<Derived> {
     const char* api = Derived::names.observe;
     validate_config(api);
     TRIATTN_CHECK(position >= 0, api, "position ", position, " must be >= 0");
-    float weight = 1.0f;
-    if (config.prompt == prompt_scoring::last_window) {
-      TRIATTN_CHECK(prompt_length_ > 0, api,
-                    "prompt_scoring::last_window weighs the prompt's last rows, but the prompt length is 0: call "
-                    "set_prompt_length before observing");
-      if (position < prompt_length_ - config.scissorhands_window) {
-        acc_.check_row(api, layer, q_head, probs);  // before the window: checked, not recorded
-        return;
-      }
-      if (position < prompt_length_) weight = 1.0f / static_cast<float>(config.scissorhands_window);
+    TRIATTN_CHECK(config.prompt != prompt_scoring::last_window || prompt_length_ > 0, api,
+                  "prompt_scoring::last_window weighs the prompt's last rows, but the prompt length is 0: call "
+                  "set_prompt_length before observing");
+    const float weight = row_weight(config.prompt, position, prompt_length_, config.scissorhands_window);
+    if (weight == 0.0f) {
+      acc_.check_row(api, layer, q_head, probs);  // before the window: checked, not recorded
+      return;
     }
     acc_.observe(api, layer, q_head, probs, weight);
   }
@@ -174,7 +155,7 @@ class accumulated_attention_policy : public policy_base<Derived> {
     const h2o_split sp = split_as(api, budget);
     check_inputs(api, view);
     const kv_geometry& g = view.geometry();
-    const protection prot{sp.sinks, sp.recent, 0};
+    const protection prot = sp.protected_slots();
     keep_plan p(g.num_layers, g.num_kv_heads);
     std::vector<float> scores;
     std::vector<std::int32_t> keep;
@@ -266,11 +247,7 @@ class accumulated_attention_policy : public policy_base<Derived> {
     };
     const std::optional<std::int64_t> heavy = part(config.heavy, config.heavy_ratio, "heavy_ratio");
     const std::optional<std::int64_t> recent = part(config.recent, config.recent_ratio, "recent_ratio");
-    h2o_split s;
-    s.recent = std::clamp<std::int64_t>(recent.value_or(heavy ? budget - *heavy : budget / 2), 0, budget);
-    s.heavy = std::min(heavy.value_or(budget), budget - s.recent);
-    s.sinks = std::min(config.sinks, s.heavy);
-    return s;
+    return split_budget(budget, heavy, recent, config.sinks);
   }
 };
 

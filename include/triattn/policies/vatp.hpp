@@ -18,8 +18,6 @@
 /// the rest of a budget of 2·int(r·L0)). The reference masks instead of dropping and sums in fp16.
 #pragma once
 
-#include <Eigen/Core>
-
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -29,6 +27,7 @@
 #include "triattn/core/config.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/policies/accumulated_math.hpp"
 #include "triattn/policies/h2o.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
@@ -74,7 +73,8 @@ class vatp : public detail::accumulated_attention_policy<vatp, vatp_config> {
   using accumulated_attention_policy::accumulated_attention_policy;
 
   /// The score the decision ranks, of (layer, kv_head), into `out` [length]: the H2O score
-  /// times the value's L1 norm. Throws naming `api` for a value that is not finite.
+  /// times the value's L1 norm (accumulated_math.hpp, shared with the CUDA path). Throws naming
+  /// `api` for a value that is not finite.
   template <KVCacheView V>
   void row_score(const char* api, const V& view, int layer, int kv_head, std::span<float> out) const {
     attention_score(view, layer, kv_head, out);
@@ -82,10 +82,10 @@ class vatp : public detail::accumulated_attention_policy<vatp, vatp_config> {
     std::vector<float> value(static_cast<std::size_t>(D));
     for (std::size_t s = 0; s < out.size(); ++s) {
       load_value(view, layer, kv_head, static_cast<std::int64_t>(s), value.data());
-      const float norm = Eigen::Map<const Eigen::ArrayXf>(value.data(), D).abs().sum();
+      const float norm = value_l1_norm(value.data(), D);
       TRIATTN_CHECK(std::isfinite(norm), api, "value of layer ", layer, " kv_head ", kv_head, " slot ", s,
                     " has L1 norm ", norm, ": values must be finite");
-      out[s] *= norm;
+      out[s] = value_weighted_score(out[s], norm);
     }
   }
 };
