@@ -131,6 +131,36 @@ TRIATTN_CUDA_TEST("triattention_score equals the CPU scorer on every layout, dty
       }
 }
 
+/// A GPU round, synchronised: triattention_plan, then compact with the round's status word.
+struct gpu_round {
+  std::vector<std::int32_t> keep, kept;  // [batch, layers, kv_heads, budget], [batch, layers, kv_heads]
+  std::int32_t status;
+
+  /// The keep set of plan row `row` (the device_keep_plan order).
+  std::vector<std::int32_t> row_keep(std::size_t row, std::int32_t budget) const {
+    const auto at = static_cast<std::ptrdiff_t>(row) * budget;
+    return {keep.begin() + at, keep.begin() + at + kept[row]};
+  }
+};
+
+template <class V>
+gpu_round run_gpu_round(const device_batch<V>& dev, const tri_case<V>& tc, const triattention_config& cfg,
+                        std::int32_t budget) {
+  const triattn::cuda::view_batch<V> batch = dev.batch();
+  const std::size_t rows = static_cast<std::size_t>(batch.size) * batch.geometry.num_layers * batch.geometry.num_kv_heads;
+  device_buffer<std::int32_t> keep(rows * static_cast<std::size_t>(budget)), kept(rows);
+  device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
+  std::size_t bytes = 0;
+  CUDA_REQUIRE(triattn::cuda::triattention_plan(nullptr, bytes, batch, tc.device_stats, cfg, tc.d_round_starts.get(),
+                                                budget, keep.get(), kept.get(), status.get(), nullptr));
+  device_buffer<std::byte> ws(bytes);
+  CUDA_REQUIRE(triattn::cuda::triattention_plan(ws.get(), bytes, batch, tc.device_stats, cfg, tc.d_round_starts.get(),
+                                                budget, keep.get(), kept.get(), status.get(), nullptr));
+  CUDA_REQUIRE(triattn::cuda::compact(batch, {keep.get(), kept.get(), budget}, {}, status.get(), nullptr));
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  return {keep.download(), kept.download(), status.download()[0]};
+}
+
 /// Runs a GPU plan, then compact, and the CPU plan + compact on the host caches; checks the
 /// keep sets and the caches wherever the oracle decides clearly. Returns how many sequences
 /// were decisive.
@@ -148,23 +178,8 @@ int plan_case(const triattn_test::cache_shape& shape, int batch, const triattent
         for (int h = 0; h < shape.num_kv_heads; ++h)
           for (std::int32_t s = 1; s < c.length(l, h); s += 2) c.store_key(l, h, s, c.key(l, h, s - 1));
   const device_batch<V> dev(tc.caches);
-  const triattn::kv_geometry geo = tc.caches.front().geometry();
-  const std::size_t rows = static_cast<std::size_t>(batch) * geo.num_layers * geo.num_kv_heads;
-  device_buffer<std::int32_t> keep(rows * static_cast<std::size_t>(budget)), kept(rows);
-  device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
-  std::size_t bytes = 0;
-  CUDA_REQUIRE(triattn::cuda::triattention_plan(nullptr, bytes, dev.batch(), tc.device_stats, cfg,
-                                                tc.d_round_starts.get(), budget, keep.get(), kept.get(), status.get(),
-                                                nullptr));
-  device_buffer<std::byte> ws(bytes);
-  CUDA_REQUIRE(triattn::cuda::triattention_plan(ws.get(), bytes, dev.batch(), tc.device_stats, cfg,
-                                                tc.d_round_starts.get(), budget, keep.get(), kept.get(), status.get(),
-                                                nullptr));
-  CUDA_REQUIRE(triattn::cuda::compact(dev.batch(), {keep.get(), kept.get(), budget}, {}, status.get(), nullptr));
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  CHECK(status.download()[0] == 0);
-  const auto k = keep.download();
-  const auto n = kept.download();
+  const gpu_round gpu = run_gpu_round(dev, tc, cfg, budget);
+  CHECK(gpu.status == 0);
   int decisive = 0;
   for (int b = 0; b < batch; ++b) {
     auto& c = tc.caches[static_cast<std::size_t>(b)];
@@ -173,12 +188,9 @@ int plan_case(const triattn_test::cache_shape& shape, int batch, const triattent
     if (margin <= (cfg.normalize ? 2e-4 : 2e-5)) continue;  // a near-tie two fp32 scorers may cut differently
     ++decisive;
     const cpu::keep_rows expected = cpu::triattention_plan(c, tc.stats, cfg, r, budget);
-    for (std::size_t row = 0; row < expected.size(); ++row) {
-      const std::size_t at = static_cast<std::size_t>(b) * expected.size() + row;
-      const std::vector<std::int32_t> got(k.begin() + static_cast<std::ptrdiff_t>(at * budget),
-                                          k.begin() + static_cast<std::ptrdiff_t>(at * budget + n[at]));
-      CHECK(got == expected[row], "sequence ", b, " row (layer x kv_head) ", row);
-    }
+    for (std::size_t row = 0; row < expected.size(); ++row)
+      CHECK(gpu.row_keep(static_cast<std::size_t>(b) * expected.size() + row, budget) == expected[row], "sequence ", b,
+            " row (layer x kv_head) ", row);
     cpu::compact(c, expected);
     CHECK(dev.mirror(static_cast<std::size_t>(b)).download() == c.snapshot(), "cache of sequence ", b, " after the round");
   }
@@ -226,20 +238,8 @@ TRIATTN_CUDA_TEST("a non-finite key fails the round on the device and compact mo
   const device_batch<triattn::paged_kv_view> dev(tc.caches);
   triattention_config cfg;
   cfg.granularity = triattention_granularity::per_layer_kv_head;
-  const std::int32_t budget = 8;
-  const std::size_t rows = static_cast<std::size_t>(shape.num_layers) * shape.num_kv_heads;
-  device_buffer<std::int32_t> keep(rows * budget), kept(rows), status(std::vector<std::int32_t>{0});
-  std::size_t bytes = 0;
-  CUDA_REQUIRE(triattn::cuda::triattention_plan(nullptr, bytes, dev.batch(), tc.device_stats, cfg,
-                                                tc.d_round_starts.get(), budget, keep.get(), kept.get(), status.get(),
-                                                nullptr));
-  device_buffer<std::byte> ws(bytes);
-  CUDA_REQUIRE(triattn::cuda::triattention_plan(ws.get(), bytes, dev.batch(), tc.device_stats, cfg,
-                                                tc.d_round_starts.get(), budget, keep.get(), kept.get(), status.get(),
-                                                nullptr));
-  CUDA_REQUIRE(triattn::cuda::compact(dev.batch(), {keep.get(), kept.get(), budget}, {}, status.get(), nullptr));
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  CHECK(status.download()[0] == static_cast<std::int32_t>(triattn::cuda::round_status::non_finite_key));
+  const gpu_round gpu = run_gpu_round(dev, tc, cfg, 8);
+  CHECK(gpu.status == static_cast<std::int32_t>(triattn::cuda::round_status::non_finite_key));
   CHECK(dev.mirror(0).download() == before, "the cache changed");
 }
 
@@ -290,17 +290,14 @@ void streaming_case(const triattn_test::cache_shape& shape, int batch, std::int6
                                                  keep.get(), kept.get(), nullptr));
   CUDA_REQUIRE(triattn::cuda::compact(dev.batch(), {keep.get(), kept.get(), budget}, {}, status.get(), nullptr));
   CUDA_REQUIRE(cudaDeviceSynchronize());
-  const auto k = keep.download();
-  const auto n = kept.download();
+  const gpu_round gpu{keep.download(), kept.download(), status.download()[0]};
+  CHECK(gpu.status == 0);
   for (int b = 0; b < batch; ++b) {
     auto& c = caches[static_cast<std::size_t>(b)];
     const cpu::keep_rows expected = cpu::streaming_plan(c, sinks, budget);
-    for (std::size_t row = 0; row < expected.size(); ++row) {
-      const std::size_t at = static_cast<std::size_t>(b) * expected.size() + row;
-      const std::vector<std::int32_t> got(k.begin() + static_cast<std::ptrdiff_t>(at * budget),
-                                          k.begin() + static_cast<std::ptrdiff_t>(at * budget + n[at]));
-      CHECK(got == expected[row], "sequence ", b, " row ", row);
-    }
+    for (std::size_t row = 0; row < expected.size(); ++row)
+      CHECK(gpu.row_keep(static_cast<std::size_t>(b) * expected.size() + row, budget) == expected[row], "sequence ", b,
+            " row ", row);
     cpu::compact(c, expected);
     CHECK(dev.mirror(static_cast<std::size_t>(b)).download() == c.snapshot(), "cache of sequence ", b);
   }
