@@ -213,6 +213,7 @@ int main(int argc, char** argv) {
   std::printf("%-34s %9.3f %12.1f %13.1f%%\n", "triattention_score (K + scores)", score_ms, score_bw,
               100.0 * score_bw / copy_bw);
   std::printf("%-34s %9.3f %12s %14s\n", "triattention_plan (score..select)", plan_ms, "-", "-");
+  std::printf("%-34s %9.3f %12s %14s\n", "  of which after scoring (plan-score)", plan_ms - score_ms, "-", "-");
   std::printf("%-34s %9.3f %12.1f %13.1f%%\n", "compact (kept K+V rows, r+w)", compact_ms, moved / (compact_ms * 1e-3) / gb,
               100.0 * moved / (compact_ms * 1e-3) / gb / copy_bw);
   std::printf("round status after the benchmark: %d (0 = ok)\n", final_status);

@@ -4,6 +4,8 @@
 # (the CPU-only parts of the project are switched off). Under 5 minutes on one GPU.
 #   bench/gpu/run_on_device.sh [build dir (build/gpu)]
 # CUDA_ARCH (default 90) picks the architecture; the output also goes to <build dir>/gpu_run.txt.
+# Warnings stay on but are not errors here: CI holds that line, and another host compiler
+# must not stop the one run a GPU machine gives.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build/gpu}
@@ -20,6 +22,7 @@ start=$SECONDS
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
   -DTRIATTN_ENABLE_CUDA=ON -DTRIATTN_BUILD_CUDA_TESTS=ON -DTRIATTN_BUILD_CUDA_BENCH=ON \
   -DTRIATTN_BUILD_TESTS=OFF -DTRIATTN_BUILD_EXAMPLES=OFF -DTRIATTN_BUILD_TOOLS=OFF -DTRIATTN_BUILD_BENCH=OFF \
+  -DTRIATTN_WARNINGS_AS_ERRORS=OFF \
   >/dev/null || exit 1
 cmake --build "$build" -j "$(nproc)" || exit 1
 echo "== built in $((SECONDS - start)) s"

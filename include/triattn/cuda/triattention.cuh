@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(Threads)
   const double mean = mean_shared;
   double sq = 0.0;
   for (std::int32_t s = static_cast<std::int32_t>(threadIdx.x); s < n; s += Threads)
-    if (!is_protected(prot, s, n, view.position(l, h, s))) sq += (x[s] - mean) * (x[s] - mean);
+    if (!is_protected(prot, s, n, view.position(l, h, s))) sq += triattention_squared_deviation(x[s], mean);
   const double sum_sq = reduce(temp).Sum(sq);
   if (threadIdx.x == 0) std_shared = triattention_row_std(sum_sq, static_cast<std::int64_t>(count_shared));
   __syncthreads();
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(Threads)
   if (s == 0) lengths[seg] = n;
   if (s >= n) return;
   const int G = g.group_size();
-  const float weight = per_layer ? 1.0f : 1.0f / static_cast<float>(g.num_layers);
+  const float weight = per_layer ? 1.0f : triattention_layer_weight(g.num_layers);
   float acc = 0.0f;
   for (int l = per_layer ? l0 : 0; l < (per_layer ? l0 + 1 : g.num_layers); ++l) {
     const std::int64_t first = ((std::int64_t{b} * g.num_layers + l) * g.num_q_heads + h * G) * batch.capacity + s;

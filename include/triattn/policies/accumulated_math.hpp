@@ -62,9 +62,9 @@ TRIATTN_HOST_DEVICE float row_weight(prompt_scoring scoring, std::int64_t positi
 }
 
 /// A running sum after one more probability `p` of a row of weight `weight`. The product is
-/// rounded before the sum on both paths (no fused multiply-add: the device's intrinsics, and
-/// two statements on the host, which compilers contract at most within one), so that both
-/// hold the same bits after any number of rows.
+/// rounded before the sum on the device (intrinsics forbid nvcc's fused multiply-add), as on a
+/// host without FMA contraction (x86-64's baseline; `-ffp-contract=off` elsewhere, as the
+/// CUDA tests' host side is built), so that both hold the same bits after any number of rows.
 TRIATTN_HOST_DEVICE float accumulate_probability(float sum, float weight, float p) {
 #if defined(__CUDA_ARCH__)
   return __fadd_rn(sum, __fmul_rn(weight, p));

@@ -305,7 +305,7 @@ class triattention : public policy_base<triattention> {
     if (n == 0) return;
     const double mean = sum / static_cast<double>(n);
     for (std::size_t s = 0; s < row.size(); ++s)
-      if (candidate[s]) sq += (row[s] - mean) * (row[s] - mean);
+      if (candidate[s]) sq += triattention_squared_deviation(row[s], mean);
     const double std_dev = triattention_row_std(sq, n);
     for (float& x : row) x = triattention_zscore(x, mean, std_dev);
   }
@@ -348,7 +348,7 @@ class triattention : public policy_base<triattention> {
       acc.assign(positions.size(), 0.0f);
       for (int l = 0; l < g.num_layers; ++l) {
         normalize_rows(view, scores, l, h, candidate);
-        add_group_score(view, scores, l, h, 1.0f / static_cast<float>(g.num_layers), acc);
+        add_group_score(view, scores, l, h, triattention_layer_weight(g.num_layers), acc);
       }
       keep[h] = select_keep(acc, positions, protected_slots(), budget);
     }

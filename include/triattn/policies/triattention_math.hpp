@@ -143,6 +143,12 @@ TRIATTN_HOST_DEVICE float triattention_key_score(const float* c_re, const float*
   return trig + detail::triattention_dot(e, k_abs, num_bands);
 }
 
+/// One candidate's term of a row's sum of squared deviations from the row's mean, in double.
+TRIATTN_HOST_DEVICE double triattention_squared_deviation(float x, double mean) {
+  const double d = x - mean;
+  return d * d;
+}
+
 /// Population standard deviation of a row of n candidate scores whose squared deviations sum
 /// to `sum_sq`, floored at 1e-6 as the reference does (a constant row must not divide by 0).
 TRIATTN_HOST_DEVICE double triattention_row_std(double sum_sq, std::int64_t n) {
@@ -154,6 +160,9 @@ TRIATTN_HOST_DEVICE double triattention_row_std(double sum_sq, std::int64_t n) {
 TRIATTN_HOST_DEVICE float triattention_zscore(float x, double mean, double std_dev) {
   return static_cast<float>((x - mean) / std_dev);
 }
+
+/// The weight of each layer in a per-KV-head decision: the mean over the layers.
+TRIATTN_HOST_DEVICE float triattention_layer_weight(int num_layers) { return 1.0f / static_cast<float>(num_layers); }
 
 /// `weight` x the GQA reduction of one slot over the `group` q-head rows of its KV head:
 /// `rows` points at the slot in the first q-head's row, the others follow `stride` apart. `max`
