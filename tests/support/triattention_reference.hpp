@@ -96,6 +96,10 @@ inline std::vector<double> tri_zscore(const std::vector<double>& x, const std::v
 }
 
 /// The `k` best of the allowed slots (higher score, then lower slot), and the gap at the cut.
+/// When the cut falls inside a group of exactly tied scores, the slot order decides within
+/// the group, and the margin is the group's distance to the nearest different score on
+/// either side: a kept score just above the group, or one just below it, that an fp32 scorer
+/// moves across the group's value changes the set.
 inline tri_keep tri_top(const std::vector<double>& score, const std::vector<bool>& allowed, std::int64_t k) {
   std::vector<std::int32_t> idx;
   for (std::size_t i = 0; i < score.size(); ++i)
@@ -104,8 +108,22 @@ inline tri_keep tri_top(const std::vector<double>& score, const std::vector<bool
   tri_keep out;
   const auto take = static_cast<std::size_t>(std::clamp<std::int64_t>(k, 0, static_cast<std::int64_t>(idx.size())));
   out.keep.assign(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(take));
-  if (take > 0 && take < idx.size() && score[idx[take - 1]] != score[idx[take]])
-    out.margin = score[idx[take - 1]] - score[idx[take]];
+  if (take == 0 || take == idx.size()) return out;
+  const double cut = score[idx[take - 1]];
+  if (score[idx[take]] != cut) {
+    out.margin = cut - score[idx[take]];
+    return out;
+  }
+  for (std::size_t i = take - 1; i-- > 0;)  // the nearest kept score above the tied group
+    if (score[idx[i]] != cut) {
+      out.margin = score[idx[i]] - cut;
+      break;
+    }
+  for (std::size_t i = take; i < idx.size(); ++i)  // the nearest score below it
+    if (score[idx[i]] != cut) {
+      out.margin = std::min(out.margin, cut - score[idx[i]]);
+      break;
+    }
   return out;
 }
 
