@@ -225,4 +225,34 @@ TRIATTN_CUDA_TEST("compact moves nothing for a bad plan or a failed round") {
   }
 }
 
+TRIATTN_CUDA_TEST("compact moves nothing when a row is not aligned to its 16-byte unit") {
+  auto g = triattn_test::rng(4);
+  triattn_test::cache_shape shape = triattn_test::random_shape(g, cache_layout::dense_nhd, triattn::dtype::bf16, 4);
+  shape.head_dim = 8;  // 16-byte rows: compact moves them as uint4
+  shape.capacity = 16;
+  std::vector<triattn_test::test_cache> caches;
+  caches.emplace_back(shape, g);
+  caches.front().length(0, 0) = 16;
+  const device_batch<triattn::dense_kv_view> dev(caches);
+  // The same cache seen 2 bytes (one element) past each layer's base: every row misaligned.
+  triattn::dense_kv_view view = dev.mirror(0).dense_view();
+  std::vector<std::byte*> k_layers(static_cast<std::size_t>(shape.num_layers));
+  CUDA_REQUIRE(cudaMemcpy(k_layers.data(), view.k_layers, k_layers.size() * sizeof(std::byte*), cudaMemcpyDeviceToHost));
+  for (auto& p : k_layers) p += 2;
+  device_buffer<std::byte*> shifted(k_layers);
+  view.k_layers = shifted.get();
+  device_buffer<triattn::dense_kv_view> views(std::vector<triattn::dense_kv_view>{view});
+  const triattn::cuda::view_batch<triattn::dense_kv_view> batch{views.get(), 1, dev.batch().geometry, shape.capacity};
+  auto plans = random_plans(caches, g);
+  plans[0][0] = {1, 3, 5};
+  const device_plan plan(plans, shape.capacity);
+  device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
+  const triattn_test::cache_bytes before = dev.mirror(0).download();
+  CUDA_REQUIRE(triattn::cuda::compact(batch, plan.get(), {}, status.get(), nullptr));
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(status.download()[0] == static_cast<std::int32_t>(triattn::cuda::round_status::misaligned_rows),
+        "status ", status.download()[0]);
+  CHECK(dev.mirror(0).download() == before, "the cache changed");
+}
+
 }  // namespace

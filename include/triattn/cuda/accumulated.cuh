@@ -154,8 +154,7 @@ __global__ void __launch_bounds__(Threads)
       load_row(view.value(id.l, id.h, j), g.type, g.head_dim, value);
       const float norm = ::TRIATTN_NAMESPACE::value_l1_norm(value, g.head_dim);
       if (!isfinite(norm))
-        atomicCAS(status, static_cast<std::int32_t>(round_status::ok),
-                  static_cast<std::int32_t>(round_status::non_finite_key));
+        fail_round(status, round_status::non_finite_key);
       s = ::TRIATTN_NAMESPACE::value_weighted_score(s, norm);
     }
     out[j] = s;

@@ -45,10 +45,13 @@ struct view_batch {
 
 /// The status word a round writes on the device. Zero means success; a compaction reading a
 /// non-zero word moves nothing.
+/// The caller zeroes the word before a round (cudaMemsetAsync): nothing resets it, so that a
+/// failure stays visible until the caller has read it.
 enum class round_status : std::int32_t {
   ok = 0,
   non_finite_key = 1,  ///< a scored key holds a NaN or an infinity
-  bad_keep = 2,        ///< keep indices not strictly ascending or outside [0, length)
+  bad_keep = 2,        ///< keep indices not strictly ascending or outside [0, length), or a length above capacity
+  misaligned_rows = 3, ///< a K or V row is not aligned to the unit `compact` moves it in
 };
 
 /// The message of the last host-side argument error of this thread ("" when none).
@@ -131,6 +134,11 @@ inline unsigned blocks_for(std::int64_t n, int threads) {
 }
 
 #if defined(__CUDACC__)
+/// Sets the round's `status` to `code` unless an earlier failure is there already.
+__device__ inline void fail_round(std::int32_t* status, round_status code) {
+  atomicCAS(status, static_cast<std::int32_t>(round_status::ok), static_cast<std::int32_t>(code));
+}
+
 /// Reads `n` elements of a row of type `t` as floats into `out` [n]: 16-byte vector loads when
 /// the row is 16-byte aligned and a whole number of vectors, element loads otherwise. The
 /// conversions are the host's (dtype.hpp), so a key decodes to the same floats on both sides.

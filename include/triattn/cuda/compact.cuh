@@ -54,18 +54,27 @@ TRIATTN_HOST_DEVICE segment_id segment_of(int r, const kv_geometry& g) {
   return {r / (g.num_layers * g.num_kv_heads), (r / g.num_kv_heads) % g.num_layers, r % g.num_kv_heads};
 }
 
+/// Checks every row of the plan (ascending, inside [0, length), a length within capacity) and
+/// that every row it moves is aligned to `unit` bytes.
 template <int Threads, KVCacheView V>
 __global__ void __launch_bounds__(Threads) compact_validate(view_batch<V> batch, device_keep_plan plan,
-                                                            std::int32_t* status) {
+                                                            std::size_t unit, std::int32_t* status) {
   const segment_id id = segment_of(static_cast<int>(blockIdx.x), batch.geometry);
   const V& view = batch.views[id.b];
   const std::int32_t n = view.length(id.l, id.h);
   const std::int32_t k = plan.kept[blockIdx.x];
   const std::int32_t* keep = plan.keep + static_cast<std::int64_t>(blockIdx.x) * plan.stride;
-  bool bad = threadIdx.x == 0 && (k < 0 || k > plan.stride || k > n);
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); !bad && i < k && k <= plan.stride; i += Threads)
+  bool bad = threadIdx.x == 0 && (k < 0 || k > plan.stride || k > n || n > batch.capacity);
+  bool misaligned = false;
+  const auto aligned = [&](const std::byte* row) { return reinterpret_cast<std::uintptr_t>(row) % unit == 0; };
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); !bad && i < k && k <= plan.stride; i += Threads) {
     bad = keep[i] < 0 || keep[i] >= n || (i > 0 && keep[i] <= keep[i - 1]);
-  if (bad) atomicCAS(status, static_cast<std::int32_t>(round_status::ok), static_cast<std::int32_t>(round_status::bad_keep));
+    misaligned = misaligned || (!bad && keep[i] != i &&
+                                !(aligned(view.key(id.l, id.h, keep[i])) && aligned(view.value(id.l, id.h, keep[i])) &&
+                                  aligned(view.key(id.l, id.h, i)) && aligned(view.value(id.l, id.h, i))));
+  }
+  if (bad) fail_round(status, round_status::bad_keep);
+  if (misaligned) fail_round(status, round_status::misaligned_rows);
 }
 
 /// The chunked in-place forward gather of `items` elements per kept row (see the file comment).
@@ -160,7 +169,7 @@ cudaError_t launch_compact(const view_batch<V>& batch, const device_keep_plan& p
                            std::int32_t* status, cudaStream_t stream) {
   constexpr int threads = 256;
   const auto segments = static_cast<unsigned>(batch.size * batch.geometry.num_layers * batch.geometry.num_kv_heads);
-  compact_validate<threads><<<segments, threads, 0, stream>>>(batch, plan, status);
+  compact_validate<threads><<<segments, threads, 0, stream>>>(batch, plan, sizeof(Unit), status);
   compact_gather<threads, Unit><<<segments, threads, 0, stream>>>(batch, plan, states, status);
   return cudaGetLastError();
 }
@@ -171,8 +180,10 @@ cudaError_t launch_compact(const view_batch<V>& batch, const device_keep_plan& p
 /// every array of `states`. The plan is checked on the device first (ascending, inside
 /// [0, length), at most `stride` per row); a bad plan, or a `status` word that is already not
 /// `ok` (a failed scoring of the same round), leaves everything untouched and `status` says
-/// why. K and V rows move in 16-byte units when head_dim x element size allows it, which
-/// needs rows aligned to 16 bytes (cudaMalloc'd pools and dense caches are).
+/// why. K and V rows move in 16-byte units when head_dim x element size allows it (else 8, 4
+/// or 2), which needs rows aligned to that unit, as cudaMalloc'd pools and dense caches with
+/// such strides are; a plan that would move a misaligned row fails the round
+/// (`misaligned_rows`) and moves nothing.
 template <KVCacheView V>
 cudaError_t compact(const view_batch<V>& batch, const device_keep_plan& plan, const device_slot_states& states,
                     std::int32_t* status, cudaStream_t stream) {

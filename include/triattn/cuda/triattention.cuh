@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(Threads)
   bool finite = true;
   for (int d = 0; d < g.head_dim; ++d) finite = finite && isfinite(key[d]);
   if (!finite && status != nullptr)
-    atomicCAS(status, static_cast<std::int32_t>(round_status::ok), static_cast<std::int32_t>(round_status::non_finite_key));
+    fail_round(status, round_status::non_finite_key);
   triattention_key_bands(key, g.head_dim, g.rope.style, k_re, k_im, k_abs);
   if (g.keys == key_state::pre_rope) triattention_rotate_bands(k_re, k_im, w, F, view.position(l, h, s));
   for (int gi = 0; gi < G; ++gi) {
@@ -250,6 +250,9 @@ cudaError_t check_triattention(const char* api, const view_batch<V>& batch, cons
   if (stats.q_mean_re == nullptr || stats.q_mean_im == nullptr || stats.q_abs_mean == nullptr)
     return reject(api, "device stats are null: call upload_stats first");
   if (c.offset_max < 1) return reject(api, "offset_max ", c.offset_max, " must be >= 1");
+  if (std::int64_t{g.num_layers} * g.num_kv_heads > 65535 || batch.size > 65535)
+    return reject(api, g.num_layers, " layers x ", g.num_kv_heads, " kv_heads and a batch of ", batch.size,
+                  " must each stay within 65535 (a grid dimension)");
   return cudaSuccess;
 }
 

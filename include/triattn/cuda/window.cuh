@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(Threads) window_prepare(view_batch<V> batch, w
       squared += x * x;
     }
     if (!finite)
-      atomicCAS(status, static_cast<std::int32_t>(round_status::ok), static_cast<std::int32_t>(round_status::non_finite_key));
+      fail_round(status, round_status::non_finite_key);
     if (divisors != nullptr) divisors[s * batch.capacity + j] = rkv_unit_divisor(squared);
   }
 }
