@@ -33,18 +33,11 @@ constexpr gqa_aggregation all_aggregations[] = {gqa_aggregation::mean, gqa_aggre
 
 /// A random cache: 1-3 layers, 1-3 KV heads, capacity 6-24, random lengths and positions.
 test_cache make_cache(std::mt19937_64& g, cache_layout layout, int group, triattn::dtype type = triattn::dtype::f32) {
-  std::uniform_int_distribution<int> layers(1, 3), heads(1, 3), half_dim(1, 4), page(1, 5);
-  std::uniform_int_distribution<std::int64_t> capacity(6, 24);
-  triattn_test::cache_shape s;
-  s.num_layers = layers(g);
-  s.num_kv_heads = heads(g);
-  s.group = group;
-  s.head_dim = 2 * half_dim(g);
-  s.type = type;
-  s.capacity = capacity(g);
-  s.layout = layout;
-  s.page_size = page(g);
-  return test_cache(s, g);
+  const int page = std::uniform_int_distribution<int>(1, 5)(g);
+  return test_cache(
+      triattn_test::random_shape(g, layout, type, page, group,
+                                 {.max_kv_heads = 3, .max_half_dim = 4, .min_capacity = 6, .max_capacity = 24}),
+      g);
 }
 
 /// A softmax row over n slots of random logits: realistic fp32 probabilities.

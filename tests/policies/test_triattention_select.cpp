@@ -14,6 +14,7 @@
 
 #include "support/random.hpp"
 #include "support/reference.hpp"
+#include "support/round_checks.hpp"
 #include "support/triattention_reference.hpp"
 #include "support/views.hpp"
 #include "triattn/core/error.hpp"
@@ -34,17 +35,9 @@ using index_list = std::vector<std::int32_t>;
 /// layer 0 (per_kv_head), or every (layer, kv_head) those of (0, 0) (global_union).
 test_cache make_cache(std::mt19937_64& g, cache_layout layout, int group, triattention_granularity gran,
                       triattn::dtype type = triattn::dtype::f32, int min_layers = 1, std::int32_t min_length = 1) {
-  std::uniform_int_distribution<int> layers(min_layers, 3), heads(1, 3), half_dim(1, 6), page(1, 5);
-  std::uniform_int_distribution<std::int64_t> capacity(6, 40);
-  triattn_test::cache_shape s;
-  s.num_layers = layers(g);
-  s.num_kv_heads = heads(g);
-  s.group = group;
-  s.head_dim = 2 * half_dim(g);
-  s.type = type;
-  s.capacity = capacity(g);
-  s.layout = layout;
-  s.page_size = page(g);
+  const int page = std::uniform_int_distribution<int>(1, 5)(g);
+  const triattn_test::cache_shape s = triattn_test::random_shape(
+      g, layout, type, page, group, {.min_layers = min_layers, .max_kv_heads = 3, .min_capacity = 6});
   test_cache c(s, g);
   std::uniform_int_distribution<std::int32_t> len(min_length, static_cast<std::int32_t>(s.capacity));
   for (auto& n : c.lengths) n = len(g);
@@ -131,32 +124,6 @@ expectation expect(test_cache& c, const triattn::query_stats& stats, std::int64_
 /// raw scores are within ~1e-6 of a row's largest |score|, so z-scores within ~1e-5).
 bool decisive(const expectation& e, bool normalized) { return e.margin > (normalized ? 2e-4 : 2e-5 * e.scale); }
 
-/// Compresses with `run` and checks that every (layer, kv_head) now holds exactly the
-/// expected slots' K, V and positions, in order.
-template <class Run>
-void check_round(test_cache& c, const expectation& e, Run&& run) {
-  const int L = c.shape().num_layers, H = c.shape().num_kv_heads;
-  std::vector<std::vector<slot_contents>> kept;
-  for (int l = 0; l < L; ++l)
-    for (int h = 0; h < H; ++h) {
-      kept.emplace_back();
-      for (const auto s : e.keep[static_cast<std::size_t>(l * H + h)]) kept.back().push_back(c.slot(l, h, s));
-    }
-  const auto lengths_before = c.lengths;
-  const auto freed = run();
-  for (int l = 0; l < L; ++l)
-    for (int h = 0; h < H; ++h) {
-      const auto r = static_cast<std::size_t>(l * H + h);
-      INFO("layer " << l << " kv_head " << h);
-      REQUIRE(c.length(l, h) == static_cast<std::int32_t>(kept[r].size()));
-      for (std::size_t i = 0; i < kept[r].size(); ++i) {
-        INFO("slot " << i << " (was " << e.keep[r][i] << ")");
-        REQUIRE(c.slot(l, h, static_cast<std::int64_t>(i)) == kept[r][i]);
-      }
-    }
-  CHECK(freed == triattn_test::expected_freed_pages(c, lengths_before));
-}
-
 /// A random decision setup for granularity `gran`: protection, reduction, round start, budget.
 struct trial {
   triattn::triattention_config cfg;
@@ -212,26 +179,13 @@ void check_random_trials(triattention_granularity gran, std::uint64_t salt, bool
     ++ran;
     triattn::triattention policy(stats, t.cfg);
     if (t.round_start) policy.set_position(*t.round_start);
-    check_round(c, e,
+    triattn_test::check_round(c, e.keep,
                 [&] { return c.with_view([&](const auto& v) { return policy.compress(v, t.budget); }).freed_pages; });
     CHECK_FALSE(policy.next_position());  // a given round start serves one round only
   }
   INFO("trials skipped for near-ties: " << skipped);
   CHECK(skipped <= 16);
   CHECK(ran > 0);
-}
-
-/// Expects `f` to throw a message containing every part, and the cache to stay byte for byte.
-template <class F>
-void check_rejected(test_cache& c, F&& f, const std::vector<std::string>& parts) {
-  const auto before = c.snapshot();
-  try {
-    f();
-    FAIL("no triattn::error thrown");
-  } catch (const triattn::error& err) {
-    for (const auto& p : parts) CHECK_THAT(err.what(), Catch::Contains(p));
-  }
-  CHECK(c.snapshot() == before);
 }
 
 }  // namespace
@@ -303,7 +257,7 @@ TEST_CASE("TriAttention ties go to the lower slot") {
         for (const auto& k : e.keep)
           for (std::size_t j = 0; j < k.size(); ++j) REQUIRE(k[j] == static_cast<std::int32_t>(j));
       triattn::triattention policy(stats, cfg);
-      check_round(c, e,
+      triattn_test::check_round(c, e.keep,
                   [&] { return c.with_view([&](const auto& v) { return policy.compress(v, budget); }).freed_pages; });
     }
   }
@@ -332,7 +286,7 @@ TEST_CASE("TriAttention budgets: >= length is a no-op, 1 keeps the best or the o
         // with a window, its slots are protected and a budget of 1 keeps the lowest of them
         if (window > 0) CHECK(e.keep[r][0] == std::max<std::int64_t>(0, d.lengths[r] - window));
       }
-      check_round(d, e, [&] { return d.with_view([&](const auto& v) { return p.compress(v, 1); }).freed_pages; });
+      triattn_test::check_round(d, e.keep, [&] { return d.with_view([&](const auto& v) { return p.compress(v, 1); }).freed_pages; });
     }
   }
 }
@@ -362,11 +316,11 @@ TEST_CASE("TriAttention round start: set_position, derived, and fed by maybe_com
     CHECK(plan() == at_derived.keep);  // consumed by the last round
 
     policy.set_position(derived - 1);  // not the position of a next token
-    check_rejected(c, [&] { c.with_view([&](const auto& v) { policy.compress(v, budget); }); },
+    triattn_test::check_rejected(c, [&] { c.with_view([&](const auto& v) { policy.compress(v, budget); }); },
                    {"triattn::triattention::plan", "round start " + std::to_string(derived - 1)});
 
     // maybe_compress hands its position to the policy
-    check_round(c, at_later, [&] {
+    triattn_test::check_round(c, at_later.keep, [&] {
       std::vector<std::int32_t> freed;
       const auto sched = triattn::schedule::every_step();
       const bool due = longest_row(c) > budget;
@@ -402,13 +356,13 @@ TEST_CASE("TriAttention rejects rows holding different slots under a shared gran
     const int l = c.shape().num_layers - 1, h = c.shape().num_kv_heads - 1;
     const auto paper = triattn::triattention_config::paper();
     c.position(l, h, 2) += 1000;
-    check_rejected(c, [&] { compress_with(c, stats, paper); },
+    triattn_test::check_rejected(c, [&] { compress_with(c, stats, paper); },
                    {"triattn::triattention::plan", row_name(l, h) + " slot 2", "per_kv_head"});
     c.position(l, h, 2) -= 1000;
     c.length(l, h) -= 1;
-    check_rejected(c, [&] { compress_with(c, stats, paper); },
+    triattn_test::check_rejected(c, [&] { compress_with(c, stats, paper); },
                    {"triattn::triattention::plan", row_name(l, h), "per_kv_head"});
-    check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::seed()); }, {"global_union"});
+    triattn_test::check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::seed()); }, {"global_union"});
     // per-(layer, kv_head) decisions take rows of any length
     triattn::triattention_config per_layer;
     per_layer.granularity = triattention_granularity::per_layer_kv_head;
@@ -427,7 +381,7 @@ TEST_CASE("TriAttention rejects non-finite keys, naming the slot, cache untouche
       auto k = c.key(l, h, 3);
       k[0] = bad;
       c.store_key(l, h, 3, k);
-      check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::paper()); },
+      triattn_test::check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::paper()); },
                      {"triattn::triattention::plan", row_name(l, h) + " slot 3", "finite"});
     }
   }
@@ -440,7 +394,7 @@ TEST_CASE("TriAttention rejects stats that do not describe the model, naming the
     const auto stats = ref::tri_random_stats(g, c.geometry());
     const auto mismatch = [&](const triattn::query_stats& other, const std::string& field) {
       INFO(field);
-      check_rejected(c, [&] { compress_with(c, other, triattn::triattention_config::paper()); },
+      triattn_test::check_rejected(c, [&] { compress_with(c, other, triattn::triattention_config::paper()); },
                      {"triattn::triattention::plan", field});
     };
     const auto stats_for = [&](auto&& change) {
@@ -468,7 +422,7 @@ TEST_CASE("TriAttention rejects a bad budget, configuration or position") {
   auto g = triattn_test::rng(921);
   test_cache c = error_cache(g, cache_layout::dense_nhd);
   const auto stats = ref::tri_random_stats(g, c.geometry());
-  check_rejected(c, [&] { triattn::triattention(stats).plan(c.dense_view(), 0); },
+  triattn_test::check_rejected(c, [&] { triattn::triattention(stats).plan(c.dense_view(), 0); },
                  {"triattn::triattention::plan", "budget 0"});
   triattn::triattention_config cfg;
   cfg.offset_max = 0;
@@ -476,9 +430,9 @@ TEST_CASE("TriAttention rejects a bad budget, configuration or position") {
                     Catch::Contains("triattn::triattention") && Catch::Contains("offset_max 0"));
   triattn::triattention p(stats);
   p.config.window = -1;
-  check_rejected(c, [&] { p.plan(c.dense_view(), 2); }, {"triattn::triattention::plan", "window -1"});
+  triattn_test::check_rejected(c, [&] { p.plan(c.dense_view(), 2); }, {"triattn::triattention::plan", "window -1"});
   p.config.window = 0;
   p.config.prompt_length = -3;
-  check_rejected(c, [&] { p.plan(c.dense_view(), 2); }, {"triattn::triattention::plan", "prompt_length -3"});
+  triattn_test::check_rejected(c, [&] { p.plan(c.dense_view(), 2); }, {"triattn::triattention::plan", "prompt_length -3"});
   CHECK_THROWS_WITH(p.set_position(-1), Catch::Contains("triattn::triattention::set_position"));
 }

@@ -56,11 +56,21 @@ struct cache_shape {
   }
 };
 
-/// A small random shape: 1-3 layers, 1-4 KV heads, an even head_dim in [2, 12], capacity in [1, 40].
+/// Bounds of `random_shape` (inclusive).
+struct shape_bounds {
+  int min_layers = 1, max_layers = 3;
+  int max_kv_heads = 4;
+  int max_half_dim = 6;  ///< head_dim is 2 x [1, max_half_dim]
+  std::int64_t min_capacity = 1, max_capacity = 40;
+};
+
+/// A small random shape within `b` (by default 1-3 layers, 1-4 KV heads, an even head_dim in
+/// [2, 12], capacity in [1, 40]).
 inline cache_shape random_shape(std::mt19937_64& g, cache_layout layout, triattn::dtype type, int page_size,
-                                int group = 1) {
-  std::uniform_int_distribution<int> layers(1, 3), heads(1, 4), half_dim(1, 6);
-  std::uniform_int_distribution<std::int64_t> capacity(1, 40);
+                                int group = 1, const shape_bounds& b = {}) {
+  std::uniform_int_distribution<int> layers(b.min_layers, b.max_layers), heads(1, b.max_kv_heads),
+      half_dim(1, b.max_half_dim);
+  std::uniform_int_distribution<std::int64_t> capacity(b.min_capacity, b.max_capacity);
   cache_shape s;
   s.num_layers = layers(g);
   s.num_kv_heads = heads(g);
