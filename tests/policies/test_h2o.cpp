@@ -294,7 +294,7 @@ TEST_CASE("H2O state moves with a compaction run by hand, and a missed after_com
       const auto plan = policy.plan(v, 3);
       triattn::compact(v, plan, policy.state());
       // The freed slots still hold evicted tokens' sums: scoring refuses them.
-      triattn_test::expect_rejected(
+      triattn_test::check_rejected(
           c, [&] { policy.plan(v, 3); }, {"triattn::h2o::plan", "has observed attention", "after_compact"});
       policy.after_compact(v, plan);
     });
@@ -339,7 +339,7 @@ TEST_CASE("H2O rejects bad input and leaves the cache and its state untouched") 
         const std::vector<float> row(static_cast<std::size_t>(c.length(0, 0)), 0.25f);
         if (mode == 0) {  // no attach
           throws_with([&] { policy.observe(0, 0, 0, {}, row); }, {"triattn::h2o::observe", "attach"});
-          triattn_test::expect_rejected(c, [&] { policy.compress(v, 1); }, {"triattn::h2o::plan", "attach"});
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"triattn::h2o::plan", "attach"});
           return;
         }
         policy.attach(v);
@@ -367,27 +367,27 @@ TEST_CASE("H2O rejects bad input and leaves the cache and its state untouched") 
           throws_with([&] { policy.observe(0, 0, 0, {}, row); }, {"last_window", "set_prompt_length"});
           policy.config.prompt = triattn::prompt_scoring::every_row;
         } else if (mode == 2) {  // rounds
-          triattn_test::expect_rejected(c, [&] { policy.compress(v, 0); }, {"budget 0 must be >= 1"});
-          triattn_test::expect_rejected(c, [&] { policy.plan(v, -2); }, {"triattn::h2o::plan", "budget -2"});
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 0); }, {"budget 0 must be >= 1"});
+          triattn_test::check_rejected(c, [&] { policy.plan(v, -2); }, {"triattn::h2o::plan", "budget -2"});
           throws_with([&] { policy.split(0); }, {"triattn::h2o::split", "budget 0"});
           std::vector<float> small(out.size() - 1);
           throws_with([&] { policy.score(v, small); }, {"triattn::h2o::score", "output holds"});
           policy.config.heavy = -5;  // edited after construction: checked at every call
-          triattn_test::expect_rejected(c, [&] { policy.compress(v, 1); }, {"heavy -5"});
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"heavy -5"});
           policy.config.heavy.reset();
           policy.config.heavy_ratio = 0.5;
-          triattn_test::expect_rejected(c, [&] { policy.compress(v, 1); }, {"heavy_ratio 0.5", "set_prompt_length"});
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"heavy_ratio 0.5", "set_prompt_length"});
           policy.config.heavy_ratio.reset();
         } else {  // the state and the view disagree
           c.length(0, 0) -= 1;  // the observed row is now longer than the cache
-          triattn_test::expect_rejected(c, [&] { policy.compress(v, 1); },
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); },
                                         {"triattn::h2o::plan", "layer 0 kv_head 0", "has observed attention"});
           c.length(0, 0) += 1;
           triattn_test::cache_shape other = c.shape();
           other.capacity += 1;
           test_cache d(other, g);
           d.with_view([&](const auto& w) {
-            triattn_test::expect_rejected(d, [&] { policy.compress(w, 1); }, {"capacity", "call attach(view)"});
+            triattn_test::check_rejected(d, [&] { policy.compress(w, 1); }, {"capacity", "call attach(view)"});
           });
         }
         std::vector<float> now(out.size());

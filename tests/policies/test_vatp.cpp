@@ -296,12 +296,12 @@ TEST_CASE("VATP rejects bad values and config, leaving the cache untouched") {
       const int l = c.shape().num_layers - 1;
       ref::store(c.value_row(l, 0, 1), type, 0, bad);
       c.with_view([&](const auto& v) {
-        triattn_test::expect_rejected(
+        triattn_test::check_rejected(
             c, [&] { policy.compress(v, 1); },
             {"triattn::vatp::plan", "value of layer " + std::to_string(l) + " kv_head 0 slot 1", "must be finite"});
         std::vector<float> out(c.lengths.size() * static_cast<std::size_t>(c.shape().capacity));
         throws_with([&] { policy.score(v, out); }, {"triattn::vatp::score", "must be finite"});
-        triattn_test::expect_rejected(c, [&] { policy.plan(v, 0); }, {"triattn::vatp::plan", "budget 0"});
+        triattn_test::check_rejected(c, [&] { policy.plan(v, 0); }, {"triattn::vatp::plan", "budget 0"});
         throws_with([&] { policy.observe(0, 0, 0, {}, std::vector<float>{0.5f, -1.0f}); },
                     {"triattn::vatp::observe", "probability -1"});
         policy.config.prompt = triattn::prompt_scoring::last_window;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "support/reference.hpp"
+#include "support/round_checks.hpp"
 #include "support/views.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/gqa.hpp"
@@ -200,20 +201,6 @@ inline oracle_setup setup_for(const triattn::h2o_config& cfg, bool value_norm, s
   s.prompt_length = prompt_length;
   s.window = cfg.scissorhands_window;
   return s;
-}
-
-/// Expects `f` to throw a `triattn::error` whose message holds every part, and the cache to
-/// stay byte for byte.
-template <class F>
-void expect_rejected(test_cache& c, F&& f, const std::vector<std::string>& parts) {
-  const auto before = c.snapshot();
-  try {
-    f();
-    FAIL("no triattn::error thrown");
-  } catch (const triattn::error& err) {
-    for (const auto& p : parts) CHECK_THAT(err.what(), Catch::Contains(p));
-  }
-  CHECK(c.snapshot() == before);
 }
 
 /// The prompt's length when every cached token is the prompt's: 1 + the largest position held.
