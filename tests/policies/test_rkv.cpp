@@ -158,41 +158,24 @@ TEST_CASE("R-KV redundancy spares the newest near-duplicate, and token 0 when a 
 }
 
 TEST_CASE("R-KV compress keeps the oracle's slots on every layout") {
-  auto g = triattn_test::rng(1203);
-  int ran = 0, skipped = 0;
-  for (int t = 0; t < 96; ++t) {
-    const int group = 1 << (t / 4 % 3);
-    test_cache c = triattn_test::window_cache(g, triattn_test::all_layouts[t % 4], triattn_test::all_dtypes[t / 12 % 3],
-                                              group);
-    const rkv_config cfg = random_config(g);
-    const auto wq = window_queries::random(g, c, cfg.window);
-    const std::int64_t longest = std::max(*std::max_element(c.lengths.begin(), c.lengths.end()), 1);
-    std::uniform_int_distribution<std::int64_t> any(1, longest + 2);
-    const std::int64_t budgets[] = {1, cfg.window, cfg.window + 1, longest};
-    const std::int64_t budget = t % 8 < 4 ? budgets[t % 8] : any(g);
-    INFO(c.shape().describe() << " window " << cfg.window << " kernel " << cfg.kernel << " lambda " << cfg.lambda
-                              << " threshold " << cfg.threshold << " budget " << budget);
-    std::vector<index_list> keep;
-    double margin = std::numeric_limits<double>::infinity(), threshold_margin = margin;
-    for (int l = 0; l < c.shape().num_layers; ++l)
-      for (int h = 0; h < c.shape().num_kv_heads; ++h) {
-        const auto d = ref::keep_best(expect_row(c, wq, l, h, cfg, threshold_margin), budget);
-        keep.push_back(d.keep);
-        margin = std::min(margin, d.margin);
-      }
-    if (margin <= 2e-5 || threshold_margin <= threshold_guard) {
-      ++skipped;
-      continue;
-    }
-    ++ran;
-    triattn::rkv policy(cfg);
-    c.with_view([&](const auto& v) { wq.feed(policy, v); });
-    triattn_test::check_round(
-        c, keep, [&] { return c.with_view([&](const auto& v) { return policy.compress(v, budget); }).freed_pages; });
-  }
-  INFO("trials skipped for near-ties: " << skipped);
-  CHECK(skipped <= 16);
-  CHECK(ran > 0);
+  triattn_test::check_compress_trials<triattn::rkv>(
+      1203, 16, random_config,
+      [](const rkv_config& cfg) {
+        return "window " + std::to_string(cfg.window) + " kernel " + std::to_string(cfg.kernel) + " lambda " +
+               std::to_string(cfg.lambda) + " threshold " + std::to_string(cfg.threshold);
+      },
+      [](test_cache& c, const window_queries& wq, const rkv_config& cfg, std::int64_t budget) -> triattn_test::oracle_keep {
+        std::vector<index_list> keep;
+        double margin = std::numeric_limits<double>::infinity(), threshold_margin = margin;
+        for (int l = 0; l < c.shape().num_layers; ++l)
+          for (int h = 0; h < c.shape().num_kv_heads; ++h) {
+            const auto d = ref::keep_best(expect_row(c, wq, l, h, cfg, threshold_margin), budget);
+            keep.push_back(d.keep);
+            margin = std::min(margin, d.margin);
+          }
+        if (margin <= 2e-5 || threshold_margin <= threshold_guard) return std::nullopt;
+        return keep;
+      });
 }
 
 TEST_CASE("R-KV ties go to the lower slot") {
@@ -232,14 +215,7 @@ TEST_CASE("R-KV budgets: >= length is a no-op that reads nothing; 1 keeps the ol
     CHECK(c.with_view([&](const auto& v) { return policy.compress(v, longest + 5); }).freed_pages.empty());
     CHECK(c.snapshot() == before);
 
-    const auto wq = window_queries::random(g, c, policy.config.window);
-    c.with_view([&](const auto& v) { wq.feed(policy, v); });
-    std::vector<index_list> keep;
-    for (const std::int32_t n : c.lengths)
-      keep.push_back(n == 0 ? index_list{} : index_list{std::max(n - policy.config.window, 0)});
-    INFO(c.shape().describe());
-    triattn_test::check_round(c, keep,
-                              [&] { return c.with_view([&](const auto& v) { return policy.compress(v, 1); }).freed_pages; });
+    triattn_test::check_budget_one(c, policy, g);
   }
 }
 

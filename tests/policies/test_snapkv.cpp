@@ -185,38 +185,22 @@ TEST_CASE("SnapKV votes recomputed from the kept queries equal those from materi
 }
 
 TEST_CASE("SnapKV compress keeps the oracle's slots on every layout") {
-  auto g = triattn_test::rng(1103);
-  int ran = 0, skipped = 0;
-  for (int t = 0; t < 96; ++t) {
-    const int group = 1 << (t / 4 % 3);
-    test_cache c = triattn_test::window_cache(g, triattn_test::all_layouts[t % 4], triattn_test::all_dtypes[t / 12 % 3],
-                                              group);
-    const snapkv_config cfg = random_config(g);
-    const auto wq = window_queries::random(g, c, cfg.window);
-    const std::int64_t longest = std::max(*std::max_element(c.lengths.begin(), c.lengths.end()), 1);
-    std::uniform_int_distribution<std::int64_t> any(1, longest + 2);
-    const std::int64_t budgets[] = {1, cfg.window, cfg.window + 1, longest};
-    const std::int64_t budget = t % 8 < 4 ? budgets[t % 8] : any(g);
-    INFO(c.shape().describe() << " window " << cfg.window << " kernel " << cfg.kernel << " rule "
-                              << static_cast<int>(oracle_rule(cfg)) << " budget " << budget);
-    std::vector<index_list> keep;
-    double margin = std::numeric_limits<double>::infinity();
-    for (int l = 0; l < c.shape().num_layers; ++l)
-      for (int h = 0; h < c.shape().num_kv_heads; ++h)
-        keep.push_back(expect_keep(expect_row(c, wq, l, h, cfg), cfg, budget, margin));
-    if (margin <= 1e-4) {
-      ++skipped;
-      continue;
-    }
-    ++ran;
-    triattn::snapkv policy(cfg);
-    c.with_view([&](const auto& v) { wq.feed(policy, v); });
-    triattn_test::check_round(
-        c, keep, [&] { return c.with_view([&](const auto& v) { return policy.compress(v, budget); }).freed_pages; });
-  }
-  INFO("trials skipped for near-ties: " << skipped);
-  CHECK(skipped <= 12);
-  CHECK(ran > 0);
+  triattn_test::check_compress_trials<triattn::snapkv>(
+      1103, 12, [](std::mt19937_64& g) { return random_config(g); },
+      [](const snapkv_config& cfg) {
+        return "window " + std::to_string(cfg.window) + " kernel " + std::to_string(cfg.kernel) + " rule " +
+               std::to_string(static_cast<int>(oracle_rule(cfg)));
+      },
+      [](test_cache& c, const window_queries& wq, const snapkv_config& cfg,
+         std::int64_t budget) -> triattn_test::oracle_keep {
+        std::vector<index_list> keep;
+        double margin = std::numeric_limits<double>::infinity();
+        for (int l = 0; l < c.shape().num_layers; ++l)
+          for (int h = 0; h < c.shape().num_kv_heads; ++h)
+            keep.push_back(expect_keep(expect_row(c, wq, l, h, cfg), cfg, budget, margin));
+        if (margin <= 1e-4) return std::nullopt;
+        return keep;
+      });
 }
 
 TEST_CASE("SnapKV ties go to the lower slot") {
@@ -263,14 +247,7 @@ TEST_CASE("SnapKV budgets: >= length is a no-op that reads nothing; 1 keeps the 
     CHECK(c.snapshot() == before);
     CHECK(freed.empty());
 
-    const auto wq = window_queries::random(g, c, policy.config.window);
-    c.with_view([&](const auto& v) { wq.feed(policy, v); });
-    std::vector<index_list> keep;
-    for (const std::int32_t n : c.lengths)
-      keep.push_back(n == 0 ? index_list{} : index_list{std::max(n - policy.config.window, 0)});
-    INFO(c.shape().describe());
-    triattn_test::check_round(c, keep,
-                              [&] { return c.with_view([&](const auto& v) { return policy.compress(v, 1); }).freed_pages; });
+    triattn_test::check_budget_one(c, policy, g);
   }
 }
 

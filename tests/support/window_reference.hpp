@@ -134,4 +134,57 @@ int check_scores(test_cache& c, const std::vector<float>& out, Want&& want, doub
   return compared;
 }
 
+/// What the oracle expects of one compress: the keep rows [l * kv_heads + h], or nothing when
+/// its decision sits within a near-tie an fp32 policy may cut either way.
+using oracle_keep = std::optional<std::vector<std::vector<std::int32_t>>>;
+
+/// 96 trials of a window policy through `compress`: every layout and dtype, GQA groups 1, 2
+/// and 4, budgets 1, window, window + 1, the longest row and random ones. Each trial draws a
+/// config with `make_config(g)`, labels it with `describe(config)`, and compares the cache
+/// after the round with `expect(cache, queries, config, budget)`. Fails when more than
+/// `max_skipped` trials are near-ties, or none ran.
+template <class Policy, class MakeConfig, class Describe, class Expect>
+void check_compress_trials(std::uint64_t salt, int max_skipped, MakeConfig&& make_config, Describe&& describe,
+                           Expect&& expect) {
+  auto g = rng(salt);
+  int ran = 0, skipped = 0;
+  for (int t = 0; t < 96; ++t) {
+    const int group = 1 << (t / 4 % 3);
+    test_cache c = window_cache(g, all_layouts[t % 4], all_dtypes[t / 12 % 3], group);
+    const auto cfg = make_config(g);
+    const auto wq = window_queries::random(g, c, cfg.window);
+    const std::int64_t longest = std::max(*std::max_element(c.lengths.begin(), c.lengths.end()), 1);
+    std::uniform_int_distribution<std::int64_t> any(1, longest + 2);
+    const std::int64_t budgets[] = {1, cfg.window, cfg.window + 1, longest};
+    const std::int64_t budget = t % 8 < 4 ? budgets[t % 8] : any(g);
+    INFO(c.shape().describe() << " " << describe(cfg) << " budget " << budget);
+    const oracle_keep keep = expect(c, wq, cfg, budget);
+    if (!keep) {
+      ++skipped;
+      continue;
+    }
+    ++ran;
+    Policy policy(cfg);
+    c.with_view([&](const auto& v) { wq.feed(policy, v); });
+    check_round(c, *keep,
+                [&] { return c.with_view([&](const auto& v) { return policy.compress(v, budget); }).freed_pages; });
+  }
+  INFO("trials skipped for near-ties: " << skipped);
+  CHECK(skipped <= max_skipped);
+  CHECK(ran > 0);
+}
+
+/// Budget 1 on a window policy fed with random window queries: every non-empty row keeps only
+/// its oldest window slot.
+template <class Policy>
+void check_budget_one(test_cache& c, Policy& policy, std::mt19937_64& g) {
+  const auto wq = window_queries::random(g, c, policy.config.window);
+  c.with_view([&](const auto& v) { wq.feed(policy, v); });
+  std::vector<std::vector<std::int32_t>> keep;
+  for (const std::int32_t n : c.lengths)
+    keep.push_back(n == 0 ? std::vector<std::int32_t>{} : std::vector<std::int32_t>{std::max(n - policy.config.window, 0)});
+  INFO(c.shape().describe());
+  check_round(c, keep, [&] { return c.with_view([&](const auto& v) { return policy.compress(v, 1); }).freed_pages; });
+}
+
 }  // namespace triattn_test
