@@ -28,7 +28,9 @@ using triattn_test::cache_layout;
 using triattn_test::test_cache;
 namespace ref = triattn_test::ref;
 
-constexpr gqa_aggregation all_aggregations[] = {gqa_aggregation::mean, gqa_aggregation::max, gqa_aggregation::sum};
+using triattn_test::all_aggregations;
+using triattn_test::random_budget;
+using triattn_test::throws_with;
 
 /// A random cache: 1-3 layers, 1-3 KV heads, capacity 8-24, random lengths and positions.
 test_cache make_cache(std::mt19937_64& g, cache_layout layout, int group, triattn::dtype type) {
@@ -51,20 +53,6 @@ triattn::vatp_config random_config(std::mt19937_64& g, std::int64_t capacity) {
   cfg.normalize = coin(g) != 0;
   cfg.sched = coin(g) ? triattn::schedule::every_step() : triattn::schedule::aligned_to(3);
   return cfg;
-}
-
-std::int64_t random_budget(std::mt19937_64& g, const test_cache& c) {
-  return std::uniform_int_distribution<std::int64_t>(1, c.shape().capacity - 1)(g);
-}
-
-template <class F>
-void throws_with(F&& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    FAIL("no triattn::error thrown");
-  } catch (const triattn::error& e) {
-    for (const auto& p : parts) CHECK_THAT(e.what(), Catch::Contains(p));
-  }
 }
 
 }  // namespace
@@ -141,15 +129,8 @@ TEST_CASE("VATP decisions through compress match the oracle round after round on
     const int group = 1 << (i / 12 % 3);
     test_cache c = make_cache(g, layout, group, type);
     const triattn::vatp_config cfg = random_config(g, c.shape().capacity);
-    triattn::vatp policy(cfg);
     const std::int64_t budget = random_budget(g, c);
-    INFO(c.shape().describe() << " budget " << budget << " heavy " << cfg.heavy.value_or(-1) << " recent "
-                              << cfg.recent.value_or(-1) << " sinks " << cfg.sinks << " agg "
-                              << triattn::gqa_aggregation_name(cfg.gqa) << " normalize " << cfg.normalize);
-    attention_run<triattn::vatp> run(c, policy, triattn_test::setup_for(cfg, true, 0), g);
-    run.simulate(cfg.sched, budget, ref::split_for(cfg, budget, 0), 16);
-    decisions += run.decisions();
-    undecided += run.undecided();
+    triattn_test::tally_decisions<triattn::vatp>(c, cfg, budget, true, g, decisions, undecided);
   }
   INFO("(layer, kv_head) decisions " << decisions << ", within a near-tie " << undecided);
   CHECK(decisions >= 400);

@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -201,6 +202,22 @@ inline oracle_setup setup_for(const triattn::h2o_config& cfg, bool value_norm, s
   s.prompt_length = prompt_length;
   s.window = cfg.scissorhands_window;
   return s;
+}
+
+inline constexpr triattn::gqa_aggregation all_aggregations[] = {
+    triattn::gqa_aggregation::mean, triattn::gqa_aggregation::max, triattn::gqa_aggregation::sum};
+
+/// A budget below the capacity, so that full rows get cut.
+inline std::int64_t random_budget(std::mt19937_64& g, const test_cache& c) {
+  return std::uniform_int_distribution<std::int64_t>(1, c.shape().capacity - 1)(g);
+}
+
+/// An H2O-family config and budget as one line of a failure message.
+inline std::string describe(const triattn::h2o_config& cfg, std::int64_t budget) {
+  std::ostringstream os;
+  os << "budget " << budget << " heavy " << cfg.heavy.value_or(-1) << " recent " << cfg.recent.value_or(-1)
+     << " sinks " << cfg.sinks << " agg " << triattn::gqa_aggregation_name(cfg.gqa) << " normalize " << cfg.normalize;
+  return os.str();
 }
 
 /// The prompt's length when every cached token is the prompt's: 1 + the largest position held.
@@ -451,5 +468,18 @@ class attention_run {
     REQUIRE(best_dropped <= worst_kept + 1e-5 * want.scale);
   }
 };
+
+/// One trial of `Policy` (built from `cfg`) through compress against the oracle: 16 decode
+/// steps at `budget` on `c`, adding the run's (layer, kv_head) decisions and near-ties.
+template <class Policy, class Config>
+void tally_decisions(test_cache& c, const Config& cfg, std::int64_t budget, bool value_norm, std::mt19937_64& g,
+                     int& decisions, int& undecided) {
+  Policy policy(cfg);
+  INFO(c.shape().describe() << " " << describe(cfg, budget));
+  attention_run<Policy> run(c, policy, setup_for(cfg, value_norm, 0), g);
+  run.simulate(cfg.sched, budget, ref::split_for(cfg, budget, 0), 16);
+  decisions += run.decisions();
+  undecided += run.undecided();
+}
 
 }  // namespace triattn_test

@@ -40,16 +40,22 @@ void check_round(test_cache& c, const std::vector<std::vector<std::int32_t>>& ke
   CHECK(freed == expected_freed_pages(c, lengths_before));
 }
 
-/// Expects `f` to throw a triattn::error containing every part, the cache byte for byte as it was.
+/// Runs `f` and expects a `triattn::error` whose message holds every part.
 template <class F>
-void check_rejected(test_cache& c, F&& f, const std::vector<std::string>& parts) {
-  const auto before = c.snapshot();
+void throws_with(F&& f, const std::vector<std::string>& parts) {
   try {
     f();
     FAIL("no triattn::error thrown");
   } catch (const triattn::error& err) {
     for (const auto& p : parts) CHECK_THAT(err.what(), Catch::Contains(p));
   }
+}
+
+/// Expects `f` to throw a triattn::error containing every part, the cache byte for byte as it was.
+template <class F>
+void check_rejected(test_cache& c, F&& f, const std::vector<std::string>& parts) {
+  const auto before = c.snapshot();
+  throws_with(f, parts);
   CHECK(c.snapshot() == before);
 }
 
