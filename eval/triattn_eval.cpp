@@ -58,38 +58,6 @@ struct usage_error {
 // ------------------------------------------------------------------------------------------
 // Policies of the evaluation: the registry's where it has them, plus the references below.
 
-/// Uniformly random keep sets per (layer, kv_head), from a fixed seed: the floor.
-class random_eviction : public triattn::policy_base<random_eviction> {
- public:
-  explicit random_eviction(std::uint64_t seed) : rng_(seed) {}
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
-    const triattn::kv_geometry& g = view.geometry();
-    triattn::keep_plan p(g.num_layers, g.num_kv_heads);
-    std::vector<std::int32_t> slots;
-    for (int l = 0; l < g.num_layers; ++l)
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        const std::int32_t n = view.length(l, h);
-        slots.resize(static_cast<std::size_t>(n));
-        for (std::int32_t i = 0; i < n; ++i) slots[static_cast<std::size_t>(i)] = i;
-        // Partial Fisher-Yates with our own index draw: std::shuffle and the distributions are
-        // implementation-defined; this is the same on every standard library.
-        const auto k = static_cast<std::size_t>(std::min<std::int64_t>(n, keep));
-        for (std::size_t i = 0; i < k; ++i) {
-          const std::uint64_t span = slots.size() - i;
-          const std::size_t j = i + static_cast<std::size_t>(rng_() % span);
-          std::swap(slots[i], slots[j]);
-        }
-        slots.resize(k);
-        std::sort(slots.begin(), slots.end());
-        p.push_row(slots);
-      }
-    return p;
-  }
-
- private:
-  std::mt19937_64 rng_;
-};
-
 /// Keeps the last `budget` slots of every (layer, kv_head): the plain recency reference.
 class recent_window : public triattn::policy_base<recent_window> {
  public:
@@ -144,7 +112,7 @@ std::vector<eval_policy> all_policies() {
   std::vector<eval_policy> p;
   p.push_back({"full", false, [](const triattn::query_stats*, std::uint64_t) { return std::optional<llama2c::any_policy>(); }});
   p.push_back({"random", false, [](const triattn::query_stats*, std::uint64_t seed) {
-                 return std::optional(llama2c::any_policy(random_eviction(seed)));
+                 return std::optional(llama2c::any_policy(llama2c::random_eviction(seed)));
                }});
   p.push_back({"window", false, [](const triattn::query_stats*, std::uint64_t) {
                  return std::optional(llama2c::any_policy(recent_window{}));

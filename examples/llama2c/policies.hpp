@@ -7,10 +7,12 @@
 /// `triattn::maybe_compress` take it like the policy it wraps.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -110,6 +112,39 @@ class policy_observer final : public observer {
 
  private:
   any_policy& policy_;
+};
+
+/// Uniformly random keep sets per (layer, kv_head), from a fixed seed: the floor every policy
+/// must beat (triattn_eval's `random` row, and the quality test).
+class random_eviction : public triattn::policy_base<random_eviction> {
+ public:
+  explicit random_eviction(std::uint64_t seed) : rng_(seed) {}
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
+    const triattn::kv_geometry& g = view.geometry();
+    triattn::keep_plan p(g.num_layers, g.num_kv_heads);
+    std::vector<std::int32_t> slots;
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const std::int32_t n = view.length(l, h);
+        slots.resize(static_cast<std::size_t>(n));
+        for (std::int32_t i = 0; i < n; ++i) slots[static_cast<std::size_t>(i)] = i;
+        // Partial Fisher-Yates with our own index draw: std::shuffle and the distributions are
+        // implementation-defined; this is the same on every standard library.
+        const auto k = static_cast<std::size_t>(std::min<std::int64_t>(n, keep));
+        for (std::size_t i = 0; i < k; ++i) {
+          const std::uint64_t span = slots.size() - i;
+          const std::size_t j = i + static_cast<std::size_t>(rng_() % span);
+          std::swap(slots[i], slots[j]);
+        }
+        slots.resize(k);
+        std::sort(slots.begin(), slots.end());
+        p.push_row(slots);
+      }
+    return p;
+  }
+
+ private:
+  std::mt19937_64 rng_;
 };
 
 /// What some policies need besides the cache: TriAttention's calibration statistics.

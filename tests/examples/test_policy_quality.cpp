@@ -25,29 +25,6 @@ namespace {
 constexpr std::int64_t budget = 64, slack = 16;
 constexpr int num_windows = 2;
 
-/// Uniformly random keep sets per (layer, kv_head): the floor every policy must beat.
-class random_eviction : public triattn::policy_base<random_eviction> {
- public:
-  explicit random_eviction(std::uint64_t seed) : rng_(seed) {}
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
-    const triattn::kv_geometry& g = view.geometry();
-    triattn::keep_plan p(g.num_layers, g.num_kv_heads);
-    for (int l = 0; l < g.num_layers; ++l)
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        std::vector<std::int32_t> slots(static_cast<std::size_t>(view.length(l, h)));
-        for (std::size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<std::int32_t>(i);
-        std::shuffle(slots.begin(), slots.end(), rng_);
-        slots.resize(std::min<std::size_t>(slots.size(), static_cast<std::size_t>(keep)));
-        std::sort(slots.begin(), slots.end());
-        p.push_row(slots);
-      }
-    return p;
-  }
-
- private:
-  std::mt19937_64 rng_;
-};
-
 struct fixture {
   llama2c::model model = llama2c::model::load(triattn_test::data_dir() / "models/stories260K/stories260K.bin");
   llama2c::tokenizer tok =
@@ -106,7 +83,7 @@ struct fixture {
 
 TEST_CASE("every policy beats random eviction at budget 64 on the real model") {
   fixture f;
-  random_eviction random(triattn_test::test_seed());
+  llama2c::random_eviction random(triattn_test::test_seed());
   const double random_kl = f.mean_kl(random);
   INFO("random eviction: mean KL " << random_kl);
   std::printf("%-16s mean KL %.5f\n", "random", random_kl);
