@@ -479,6 +479,12 @@ cudaError_t check_snapkv(const char* api, const view_batch<V>& batch, const wind
   return cudaSuccess;
 }
 
+/// R-KV's host checks: the CPU's.
+template <KVCacheView V>
+cudaError_t check_rkv(const char* api, const view_batch<V>& batch, const window_query_batch& q, const rkv_config& c) {
+  return check_window(api, batch, q, c.window, [&] { ::TRIATTN_NAMESPACE::detail::validate_rkv_config(api, c); });
+}
+
 }  // namespace detail
 
 /// SnapKV scores of every (sequence, layer, kv_head) of `batch` into `scores` [batch, layers,
@@ -519,9 +525,7 @@ cudaError_t rkv_score(void* workspace, std::size_t& workspace_bytes, const view_
                       const window_query_batch& queries, const rkv_config& config, float* scores, std::int32_t* status,
                       cudaStream_t stream) {
   const char* api = "triattn::cuda::rkv_score";
-  const cudaError_t err =
-      detail::check_window(api, batch, queries, config.window, [&] { ::TRIATTN_NAMESPACE::detail::validate_rkv_config(api, config); });
-  if (err != cudaSuccess) return err;
+  if (const cudaError_t err = detail::check_rkv(api, batch, queries, config); err != cudaSuccess) return err;
   return detail::window_score(api, workspace, workspace_bytes, batch, detail::rkv_params(config, queries), scores,
                               status, stream);
 }
@@ -532,9 +536,7 @@ cudaError_t rkv_plan(void* workspace, std::size_t& workspace_bytes, const view_b
                      const window_query_batch& queries, const rkv_config& config, std::int32_t budget,
                      std::int32_t* keep, std::int32_t* kept, std::int32_t* status, cudaStream_t stream) {
   const char* api = "triattn::cuda::rkv_plan";
-  const cudaError_t err =
-      detail::check_window(api, batch, queries, config.window, [&] { ::TRIATTN_NAMESPACE::detail::validate_rkv_config(api, config); });
-  if (err != cudaSuccess) return err;
+  if (const cudaError_t err = detail::check_rkv(api, batch, queries, config); err != cudaSuccess) return err;
   return detail::window_plan(api, workspace, workspace_bytes, batch, detail::rkv_params(config, queries), budget, keep,
                              kept, status, stream);
 }
