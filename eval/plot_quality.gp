@@ -1,10 +1,13 @@
 # KL(full || compressed) against the KV budget, one line per policy, log-scale KL.
-#   gnuplot -e "csv='DIR/quality.csv'; out='DIR/quality.png'; policies='full random ...'" eval/plot_quality.gp
+#   gnuplot -e "csv='DIR/quality.csv'; out='DIR/quality.png'" eval/plot_quality.gp
+#   (policies='full random ...' to choose the lines; default: every policy of the CSV)
 # `full` has KL = 0, which a log axis cannot show: it is drawn on the floor `kl_floor` and its
 # key says so.
 if (!exists("csv")) csv = 'quality.csv'
 if (!exists("out")) out = 'quality.png'
-if (!exists("policies")) policies = 'full random window streaming_llm h2o snapkv vatp rkv triattention'
+# Without `policies`: every policy of the CSV, in its order (triattn_eval writes the rows in the
+# order of `triattn_eval --list-policies`); no list is kept here.
+if (!exists("policies")) policies = system("tail -n +2 '".csv."' | cut -d, -f1 | awk '!seen[$0]++' | tr '\\n' ' '")
 if (!exists("title_note")) title_note = ''
 kl_floor = 1e-5
 

@@ -54,7 +54,11 @@ if ! command -v gnuplot >/dev/null 2>&1; then
   [[ $(id -u) -ne 0 ]] && sudo_cmd=sudo
   $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq gnuplot-nox >/dev/null
 fi
-policies=$(tail -n +2 "$out/quality.csv" | cut -d, -f1 | awk '!seen[$0]++' | tr '\n' ' ')
+# The policies to plot: the program's list (triattn_eval --list-policies, the roster's order),
+# those of them the grid evaluated.
+policies=$("$triattn_eval" --list-policies | while read -r p; do
+  if grep -q "^$p," "$out/quality.csv"; then printf '%s ' "$p"; fi
+done)
 windows=$(tail -n +2 "$out/quality.csv" | awk -F, 'NR==2{print $12}')
 divide=$(tail -n +2 "$out/quality.csv" | awk -F, 'NR==1{print $14}')
 gnuplot -e "csv='$out/quality.csv'; out='$out/quality.png'; policies='${policies% }'; title_note=' ($windows windows, D = $divide)'" \

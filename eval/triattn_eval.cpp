@@ -3,6 +3,10 @@
 //   triattn_eval --model M.bin --tokenizer T.bin --text FILE --stats S.safetensors
 //                --policies full,random,window,... --budgets 32,64,128,256 --windows N
 //                --divide-length D --out DIR [--quick] [--threads T] [--prompts P]
+//   triattn_eval --list-policies      (the rows it knows, one name a line: for scripts and plots)
+//
+// Rows: `full`, the references `random` and `window`, every compressing policy of the roster
+// (llama2c::policy_registry, in its order), then variants of TriAttention.
 //
 // Teacher-forced over N windows of the text (llama2c::text_windows: blank-line paragraphs, BOS +
 // tokens each, concatenated to the model's context). Every policy runs on the same schedule: a
@@ -58,10 +62,16 @@ struct usage_error {
 // ------------------------------------------------------------------------------------------
 // Policies of the evaluation: the registry's where it has them, plus the references below.
 
-/// Keeps the last `budget` slots of every (layer, kv_head): the plain recency reference.
+/// Keeps the last `budget` slots of every (layer, kv_head): the plain recency reference. A plan
+/// policy; `round()` carries the evaluation's schedule.
 class recent_window : public triattn::policy_base<recent_window> {
  public:
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
+  static constexpr std::string_view name = "window";
+
+  explicit recent_window(triattn::schedule sched) { round_.sched = sched; }
+  const triattn::round_options& round() const { return round_; }
+
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep, const triattn::round_context& = {}) {
     const triattn::kv_geometry& g = view.geometry();
     triattn::keep_plan p(g.num_layers, g.num_kv_heads);
     std::vector<std::int32_t> slots;
@@ -75,58 +85,74 @@ class recent_window : public triattn::policy_base<recent_window> {
       }
     return p;
   }
+
+ private:
+  triattn::round_options round_{};
 };
+
+/// A fresh policy for one sequence on the evaluation's schedule; std::nullopt for `full`.
+/// `seed` is per sequence.
+using policy_factory = std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t seed,
+                                                                        const triattn::schedule& sched)>;
 
 struct eval_policy {
   std::string name;
+  std::string summary;
   bool needs_stats = false;
-  /// A fresh policy for one sequence; std::nullopt for `full`. `seed` is per sequence.
-  std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t seed)> make;
+  policy_factory make;
 };
 
-std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t)> from_registry(
-    std::string_view name) {
-  const llama2c::policy_entry* e = llama2c::find_policy(name);
-  if (e == nullptr) throw usage_error{"policy " + std::string(name) + " is not in llama2c::policy_registry"};
-  return [e](const triattn::query_stats* s, std::uint64_t) { return e->create(llama2c::policy_inputs{s}); };
+/// A roster policy, as the roster builds it, on the evaluation's schedule.
+eval_policy from_registry(const llama2c::policy_entry& e) {
+  return {std::string(e.name), std::string(e.summary), e.needs_stats,
+          [&e](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
+            return e.create(llama2c::policy_inputs{s, sched});
+          }};
 }
 
-std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t)> tri(
-    triattn::triattention_config c) {
-  return [c](const triattn::query_stats* s, std::uint64_t) {
-    return std::optional(llama2c::any_policy(triattn::triattention(*s, c)));
-  };
+/// A TriAttention variant; its own trigger (the seed preset's) is replaced by the common schedule.
+eval_policy tri(std::string name, std::string summary, triattn::triattention_config c) {
+  return {std::move(name), std::move(summary), true,
+          [c](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
+            triattn::triattention_config with = c;
+            with.round.sched = sched;
+            return std::optional(llama2c::any_policy(triattn::triattention(*s, with)));
+          }};
 }
 
-triattn::triattention_config tri_config(triattn::triattention_granularity g, std::int64_t offset_max,
-                                        std::int64_t window = 0) {
+triattn::triattention_config tri_config(triattn::granularity g, std::int64_t offset_max, std::int64_t window = 0) {
   triattn::triattention_config c = triattn::triattention_config::paper();
-  c.granularity = g;
+  c.round.grain = g;
   c.offset_max = offset_max;
   c.window = window;
   return c;
 }
 
 std::vector<eval_policy> all_policies() {
-  using G = triattn::triattention_granularity;
+  using G = triattn::granularity;
   std::vector<eval_policy> p;
-  p.push_back({"full", false, [](const triattn::query_stats*, std::uint64_t) { return std::optional<llama2c::any_policy>(); }});
-  p.push_back({"random", false, [](const triattn::query_stats*, std::uint64_t seed) {
-                 return std::optional(llama2c::any_policy(llama2c::random_eviction(seed)));
+  const llama2c::policy_entry* full = llama2c::find_policy(llama2c::full_name);
+  p.push_back(from_registry(*full));
+  p.push_back({std::string(llama2c::random_eviction::name), "uniformly random keep sets (the floor)", false,
+               [](const triattn::query_stats*, std::uint64_t seed, const triattn::schedule& sched) {
+                 return std::optional(llama2c::any_policy(llama2c::random_eviction(seed, sched)));
                }});
-  p.push_back({"window", false, [](const triattn::query_stats*, std::uint64_t) {
-                 return std::optional(llama2c::any_policy(recent_window{}));
+  p.push_back({std::string(recent_window::name), "the last B tokens (plain recency)", false,
+               [](const triattn::query_stats*, std::uint64_t, const triattn::schedule& sched) {
+                 return std::optional(llama2c::any_policy(recent_window(sched)));
                }});
-  for (const char* n : {"streaming_llm", "h2o", "snapkv", "vatp", "rkv"}) p.push_back({n, false, from_registry(n)});
-  p.push_back({"triattention", true, from_registry("triattention")});
-  p.push_back({"triattention_o128", true, tri(tri_config(G::per_kv_head, 128))});
-  p.push_back({"triattention_per_layer", true, tri(tri_config(G::per_layer_kv_head, 65536))});
-  p.push_back({"triattention_per_layer_o512", true, tri(tri_config(G::per_layer_kv_head, 512))});
-  p.push_back({"triattention_per_layer_o128", true, tri(tri_config(G::per_layer_kv_head, 128))});
-  p.push_back({"triattention_per_layer_o16", true, tri(tri_config(G::per_layer_kv_head, 16))});
-  p.push_back({"triattention_per_layer_o128_w8", true, tri(tri_config(G::per_layer_kv_head, 128, 8))});
-  // The seed preset's union selection; its own trigger is replaced by the common schedule.
-  p.push_back({"triattention_seed", true, tri(triattn::triattention_config::seed())});
+  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+    if (e.compresses()) p.push_back(from_registry(e));
+  const std::string tn(triattn::triattention::name);
+  p.push_back(tri(tn + "_o128", "triattention, offsets to 128", tri_config(G::per_kv_head, 128)));
+  p.push_back(tri(tn + "_per_layer", "triattention, one keep set per (layer, KV head)", tri_config(G::per_layer, 65536)));
+  p.push_back(tri(tn + "_per_layer_o512", "triattention per layer, offsets to 512", tri_config(G::per_layer, 512)));
+  p.push_back(tri(tn + "_per_layer_o128", "triattention per layer, offsets to 128", tri_config(G::per_layer, 128)));
+  p.push_back(tri(tn + "_per_layer_o16", "triattention per layer, offsets to 16", tri_config(G::per_layer, 16)));
+  p.push_back(tri(tn + "_per_layer_o128_w8", "triattention per layer, offsets to 128, the last 8 kept",
+                  tri_config(G::per_layer, 128, 8)));
+  p.push_back(tri(tn + "_seed", "triattention's seed preset: one keep set for the sequence (union, max of rows)",
+                  triattn::triattention_config::seed()));
   return p;
 }
 
@@ -164,12 +190,22 @@ std::int64_t parse_int(const std::string& opt, const std::string& v, std::int64_
   return x;
 }
 
-const char* usage_text =
-    "usage: triattn_eval --model M.bin --tokenizer T.bin --text FILE --stats S.safetensors\n"
-    "                    [--policies full,random,window,...] [--budgets 32,64,128,256] [--windows 200]\n"
-    "                    [--divide-length 16] [--prompts 50] [--gen-tokens 400] [--threads T]\n"
-    "                    --out DIR [--quick]\n"
-    "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n";
+std::string usage_text() {
+  std::string text =
+      "usage: triattn_eval --model M.bin --tokenizer T.bin --text FILE --stats S.safetensors\n"
+      "                    [--policies full,random,window,...] [--budgets 32,64,128,256] [--windows 200]\n"
+      "                    [--divide-length 16] [--prompts 50] [--gen-tokens 400] [--threads T]\n"
+      "                    --out DIR [--quick]\n"
+      "       triattn_eval --list-policies   (the policy names, one a line)\n"
+      "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n"
+      "policies (default: all of them):\n";
+  for (const eval_policy& p : all_policies()) {
+    char line[256];
+    std::snprintf(line, sizeof line, "  %-32s %s\n", p.name.c_str(), p.summary.c_str());
+    text += line;
+  }
+  return text;
+}
 
 options parse(int argc, char** argv) {
   options o;
@@ -178,7 +214,11 @@ options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") {
-      std::fputs(usage_text, stdout);
+      std::fputs(usage_text().c_str(), stdout);
+      std::exit(0);
+    }
+    if (arg == "--list-policies") {
+      for (const eval_policy& p : all_policies()) std::printf("%s\n", p.name.c_str());
       std::exit(0);
     }
     if (arg == "--quick") {
@@ -402,6 +442,12 @@ class evaluator {
     return steps;
   }
 
+  /// A round when the policy's schedule (the evaluation's, given at construction) says so.
+  /// No prompt protection: the round context holds the next token's position, no prompt.
+  static bool maybe_compress(llama2c::any_policy& policy, llama2c::session& s, std::int64_t budget) {
+    return triattn::maybe_compress(policy, s.view(), budget, triattn::round_context{s.position(), 0});
+  }
+
   struct runner {
     llama2c::session session;
     std::optional<llama2c::any_policy> policy;
@@ -422,10 +468,10 @@ class evaluator {
     runner& operator=(const runner&) = delete;
 
     /// Forward, then a round when the schedule says so. The logits stay valid until the next step.
-    std::span<const float> step(int token, const triattn::schedule& sched) {
+    std::span<const float> step(int token) {
       const auto logits = session.forward(token);
       peak = std::max(peak, session.kv_bytes());
-      if (policy) compressed |= triattn::maybe_compress(*policy, session.view(), budget, sched, session.position());
+      if (policy) compressed |= maybe_compress(*policy, session, budget);
       return logits;
     }
   };
@@ -467,7 +513,7 @@ class evaluator {
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
       const std::int64_t budget = o_.budgets[jobs_[j].budget];
       runner r(m_, sched_.peak_tokens(budget),
-               policies_[jobs_[j].policy].make(stats_, seed_of(j, w)), budget);
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, w), sched_), budget);
       window_sums& s = sums_[j * windows_.size() + w];
       for (std::int64_t t = 0; t < T; ++t) {
         const bool scored = r.compressed && t + 1 < T;  // compressed before this step's forward
@@ -483,8 +529,7 @@ class evaluator {
           s.nll += -(logits[static_cast<std::size_t>(tokens[static_cast<std::size_t>(t + 1)])] - lse);
           ++s.n;
         }
-        r.compressed |=
-            triattn::maybe_compress(*r.policy, r.session.view(), budget, sched_, r.session.position());
+        r.compressed |= maybe_compress(*r.policy, r.session, budget);
       }
       peak_[j * tasks() + w] = r.peak;
       progress(T);
@@ -494,13 +539,13 @@ class evaluator {
   /// Greedy continuation of `prompt`: o_.gen_tokens tokens.
   std::vector<int> generate(runner& r, const std::vector<int>& prompt) {
     std::span<const float> logits;
-    for (const int t : prompt) logits = r.step(t, sched_);
+    for (const int t : prompt) logits = r.step(t);
     std::vector<int> out;
     out.reserve(static_cast<std::size_t>(o_.gen_tokens));
     for (int g = 0; g < o_.gen_tokens; ++g) {
       const int next = llama2c::argmax(logits);
       out.push_back(next);
-      if (g + 1 < o_.gen_tokens) logits = r.step(next, sched_);
+      if (g + 1 < o_.gen_tokens) logits = r.step(next);
     }
     return out;
   }
@@ -519,7 +564,7 @@ class evaluator {
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
       const std::int64_t budget = o_.budgets[jobs_[j].budget];
       runner r(m_, std::max(sched_.peak_tokens(budget), std::int64_t{1}),
-               policies_[jobs_[j].policy].make(stats_, seed_of(j, task)), budget);
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, task), sched_), budget);
       const std::vector<int> out = generate(r, prompt);
       std::size_t k = 0;
       while (k < out.size() && out[k] == reference[k]) ++k;

@@ -2,12 +2,16 @@
 // and dtypes, errors); README's "Command-line tool" section documents it for users.
 //
 //   triattn score <policy>  --keys K.npy ... --out SCORES.npy
-//   triattn select <policy> --keys K.npy ... --budget B --out KEEP.npy
+//   triattn select <policy> --keys K.npy ... --budget B [--granularity G] --out KEEP.npy
 //   triattn inspect S.safetensors
 //   triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]
 //
 // Every error prints one line naming the file and the problem and exits with code 2; nothing
 // is written then (outputs are written last, through a temporary file and a rename).
+//
+// The policies are the roster's (llama2c::policy_registry): their names, the usage text and
+// the unknown-policy error come from it. Every `select` runs the library's round pipeline
+// (`policy.plan(view, budget, ctx)` with `config.round.grain` from --granularity).
 
 #include <algorithm>
 #include <charconv>
@@ -26,6 +30,7 @@
 
 #include "llama2c/calibration.hpp"
 #include "llama2c/llama2c.hpp"
+#include "llama2c/policies.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
@@ -46,7 +51,7 @@ struct usage_error {
 const std::set<std::string, std::less<>> value_options = {
     "--stats", "--keys", "--values", "--queries", "--attn", "--positions", "--round-start", "--budget", "--out",
     "--window", "--protect-first", "--offset-max", "--aggregation", "--granularity", "--gqa", "--model",
-    "--tokenizer", "--text", "--windows"};
+    "--tokenizer", "--text", "--windows", "--sinks"};
 const std::set<std::string, std::less<>> switch_options = {"--pre-rope", "--disable-trig", "--disable-norm",
                                                            "--no-normalize", "--help"};
 
@@ -244,6 +249,47 @@ void write_int64(const fs::path& out, std::span<const std::int64_t> shape, const
   io::write_npy(out, io::element_kind::i64, shape, data.data());
 }
 
+/// `--granularity per_layer|per_kv_head|union`, or `fallback` (the policy's default) when absent.
+triattn::granularity granularity_option(const options& o, triattn::granularity fallback) {
+  const auto text = o.optional_value("--granularity");
+  if (!text) return fallback;
+  if (const auto g = triattn::parse_granularity(*text)) return *g;
+  throw usage_error{"--granularity \"" + *text + "\" is not one of per_layer, per_kv_head, union"};
+}
+
+/// `select`'s output (cli.md, Granularity): one ascending row of min(budget, N) slots per keep
+/// set of the round, int64 [L, Hkv, k] (per_layer), [Hkv, k] (per_kv_head) or [k] (union).
+void write_keep(const fs::path& out, const triattn::keep_plan& plan, const triattn::kv_geometry& g,
+                triattn::granularity grain, std::int64_t budget, std::int64_t tokens) {
+  const std::int64_t k = std::min(budget, tokens);
+  const triattn::decision_map map{grain, g.num_layers, g.num_kv_heads};
+  std::vector<std::int64_t> keep;
+  keep.reserve(static_cast<std::size_t>(map.decisions()) * static_cast<std::size_t>(k));
+  for (int d = 0; d < map.decisions(); ++d) {
+    int l = 0, h = 0;
+    map.row(d, 0, l, h);  // every row of a decision holds its keep set
+    const auto row = plan.row(l, h);
+    if (static_cast<std::int64_t>(row.size()) != k)  // a policy rule keeping fewer than the budget
+      throw triattn::error("select: layer " + std::to_string(l) + " kv_head " + std::to_string(h) + " keeps " +
+                           std::to_string(row.size()) + " slots, not min(B, N) = " + std::to_string(k));
+    keep.insert(keep.end(), row.begin(), row.end());
+  }
+  switch (grain) {
+    case triattn::granularity::per_layer: {
+      const std::int64_t shape[] = {g.num_layers, g.num_kv_heads, k};
+      return write_int64(out, shape, keep);
+    }
+    case triattn::granularity::per_kv_head: {
+      const std::int64_t shape[] = {g.num_kv_heads, k};
+      return write_int64(out, shape, keep);
+    }
+    case triattn::granularity::whole_sequence: {
+      const std::int64_t shape[] = {k};
+      return write_int64(out, shape, keep);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // TriAttention.
 
@@ -252,6 +298,7 @@ struct triattention_inputs {
   npy_cache cache;
   triattn::triattention_config config;
   triattn::key_state keys;
+  std::int64_t prompt_length = 0;  ///< --protect-first
 };
 
 triattention_inputs read_triattention_inputs(const options& o) {
@@ -272,20 +319,17 @@ triattention_inputs read_triattention_inputs(const options& o) {
   c.disable_trig = o.has("--disable-trig");
   c.disable_norm = o.has("--disable-norm");
   c.normalize = !o.has("--no-normalize");
-  const std::string granularity = o.choice("--granularity", {"per_kv_head", "per_layer", "union"});
-  c.granularity = granularity == "per_kv_head" ? triattn::triattention_granularity::per_kv_head
-                  : granularity == "per_layer" ? triattn::triattention_granularity::per_layer_kv_head
-                                               : triattn::triattention_granularity::global_union;
+  c.round.grain = granularity_option(o, c.round.grain);  // default per_kv_head
   c.gqa_reduction = o.choice("--gqa", {"max", "mean"}) == "max" ? triattn::triattention_gqa_reduction::max
                                                                 : triattn::triattention_gqa_reduction::mean;
   // Every token is a candidate unless --window / --protect-first say otherwise.
   c.window = o.integer("--window", 0, 0);
-  c.prompt_length = o.integer("--protect-first", 0, 0);
-  c.protect_prompt = c.prompt_length > 0;
+  const std::int64_t prompt_length = o.integer("--protect-first", 0, 0);
+  c.round.protect_prompt = prompt_length > 0;
   const triattn::key_state keys = o.has("--pre-rope") ? triattn::key_state::pre_rope : triattn::key_state::post_rope;
   if (keys == triattn::key_state::pre_rope && !o.has("--positions"))
     throw usage_error{"--pre-rope needs --positions [num_layers, num_kv_heads, num_tokens]"};
-  return {std::move(stats), std::move(cache), c, keys};
+  return {std::move(stats), std::move(cache), c, keys, prompt_length};
 }
 
 triattn::rope_desc stats_rope(const triattn::query_stats& s) {
@@ -317,24 +361,9 @@ int select_triattention(const options& o) {
   const std::int64_t budget = o.integer("--budget", 1);
   const fs::path out = o.required("--out");
   const triattn::dense_kv_view view = in.cache.view(in.stats.num_q_heads, in.keys, stats_rope(in.stats));
-  triattn::triattention policy(in.stats, in.config);
-  policy.set_position(round_start);
-  const triattn::keep_plan plan = policy.plan(view, budget);
-  const std::int64_t k = std::min(budget, in.cache.tokens());
-  std::vector<std::int64_t> keep;
-  // One keep set per kv-head shared by all layers ([num_kv_heads, k]) unless per-layer
-  // decisions were asked for ([num_layers, num_kv_heads, k]).
-  const bool per_layer = in.config.granularity == triattn::triattention_granularity::per_layer_kv_head;
-  for (int l = 0; l < (per_layer ? view.geo.num_layers : 1); ++l)
-    for (int h = 0; h < view.geo.num_kv_heads; ++h)
-      for (const std::int32_t s : plan.row(l, h)) keep.push_back(s);
-  if (per_layer) {
-    const std::int64_t shape[] = {view.geo.num_layers, view.geo.num_kv_heads, k};
-    write_int64(out, shape, keep);
-  } else {
-    const std::int64_t shape[] = {view.geo.num_kv_heads, k};
-    write_int64(out, shape, keep);
-  }
+  const triattn::triattention policy(in.stats, in.config);
+  const triattn::keep_plan plan = policy.plan(view, budget, triattn::round_context{round_start, in.prompt_length});
+  write_keep(out, plan, view.geo, in.config.round.grain, budget, in.cache.tokens());
   return 0;
 }
 
@@ -414,15 +443,16 @@ void write_scores(const options& o, const npy_cache& cache, const Policy& policy
   io::write_npy(out, io::element_kind::f32, shape, scores.data());
 }
 
-/// `select <policy>`: int64 [num_layers, num_kv_heads, min(B, num_tokens)], ascending.
+/// `select <policy>`: a round of the policy's own at --granularity (default per_layer), int64
+/// ascending keep sets (see write_keep).
 template <class Policy>
 void write_selection(const options& o, const npy_cache& cache, Policy& policy, const triattn::dense_kv_view& view) {
   const std::int64_t budget = o.integer("--budget", 1);
   const fs::path out = o.required("--out");
-  const triattn::keep_plan plan = policy.plan(view, budget);
-  std::vector<std::int64_t> keep(plan.indices.begin(), plan.indices.end());
-  const std::int64_t shape[] = {cache.layers(), cache.kv_heads(), std::min(budget, cache.tokens())};
-  write_int64(out, shape, keep);
+  policy.config.round.grain = granularity_option(o, policy.config.round.grain);
+  // No prompt; the round starts after the last slot (slot j holds position j).
+  const triattn::keep_plan plan = policy.plan(view, budget, triattn::round_context{});
+  write_keep(out, plan, view.geo, policy.config.round.grain, budget, cache.tokens());
 }
 
 triattn::gqa_aggregation gqa_option(const options& o) {
@@ -467,6 +497,24 @@ int snapkv_command(const options& o, bool select) {
 }
 int rkv_command(const options& o, bool select) {
   return run_baseline(o, select, triattn::rkv(triattn::rkv_config::paper()), feed_queries<triattn::rkv>);
+}
+
+/// `select streaming_llm --keys K --budget B [--sinks S]`: the first S slots and the most
+/// recent B - S (the keys give the shape only).
+int streaming_llm_command(const options& o, bool select) {
+  if (!select)
+    throw usage_error{"streaming_llm has no score: it keeps slots by position alone (use select)"};
+  npy_cache cache(o.required("--keys"), std::nullopt);
+  const std::int64_t budget = o.integer("--budget", 1);
+  const fs::path out = o.required("--out");
+  triattn::streaming_llm_config c;
+  c.sinks = o.integer("--sinks", 0, c.sinks);
+  c.round.grain = granularity_option(o, c.round.grain);
+  const triattn::streaming_llm policy(c);
+  const triattn::dense_kv_view view = cache.view(cache.kv_heads(), triattn::key_state::post_rope, triattn::rope_desc{});
+  const triattn::keep_plan plan = policy.plan(view, budget, triattn::round_context{});
+  write_keep(out, plan, view.geo, c.round.grain, budget, cache.tokens());
+  return 0;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -544,40 +592,73 @@ struct policy_command {
   int (*run)(const options&, bool select);
 };
 
-constexpr policy_command policies[] = {
-    {"triattention", triattention_command}, {"h2o", h2o_command},   {"snapkv", snapkv_command},
-    {"vatp", vatp_command},                 {"rkv", rkv_command},
+/// One command per compressing policy of the roster, under the roster's name.
+constexpr policy_command policy_commands[] = {
+    {triattn::streaming_llm::name, streaming_llm_command},
+    {triattn::h2o::name, h2o_command},
+    {triattn::snapkv::name, snapkv_command},
+    {triattn::vatp::name, vatp_command},
+    {triattn::rkv::name, rkv_command},
+    {triattn::triattention::name, triattention_command},
 };
 
-const char* usage_text =
-    "usage:\n"
-    "  triattn score <policy> [inputs] --out SCORES.npy\n"
-    "  triattn select <policy> [inputs] --budget B --out KEEP.npy\n"
-    "  triattn inspect S.safetensors\n"
-    "  triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]\n"
-    "\n"
-    "policies: triattention, h2o, vatp, snapkv, rkv\n"
-    "inputs (.npy, little-endian, C order; float32, float16 or float64); each command ignores those it does not use:\n"
-    "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys (all policies)\n"
-    "  --values V      [num_layers, num_kv_heads, num_tokens, head_dim] (vatp)\n"
-    "  --attn A        [num_layers, num_q_heads, rows, num_tokens] probabilities of the rows seen so far (h2o, vatp)\n"
-    "  --queries Q     [num_layers, num_q_heads, w, head_dim] the last w queries, post-RoPE (snapkv, rkv)\n"
-    "  --stats S       triattn.stats.v1 safetensors (triattention)\n"
-    "  --round-start R position of the next token (triattention)\n"
-    "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (triattention; default: slot index)\n"
-    "  --gqa mean|max|sum   GQA aggregation of h2o, vatp, snapkv (default mean); triattention: max|mean\n"
-    "triattention options: --offset-max N (65536) --aggregation mean|max --disable-trig --disable-norm\n"
-    "  --granularity per_kv_head|per_layer|union --no-normalize --window W\n"
-    "  --protect-first P (positions < P are always kept) --pre-rope (keys stored before RoPE)\n"
-    "score writes float32 [num_layers, num_q_heads, num_tokens] raw scores for triattention and\n"
-    "[num_layers, num_kv_heads, num_tokens] (after GQA aggregation; always-kept window slots +inf) for the others.\n"
-    "select writes int64, ascending: triattention [num_kv_heads, min(B, num_tokens)] ([num_layers, ...] with\n"
-    "--granularity per_layer); the others [num_layers, num_kv_heads, min(B, num_tokens)].\n"
-    "Errors print one line and exit with code 2; nothing is written then.\n";
+/// Whether every compressing roster policy has a command, and every command a roster entry.
+constexpr bool commands_match_roster() {
+  std::size_t compressing = 0;
+  for (const llama2c::policy_entry& e : llama2c::policy_registry) {
+    if (!e.compresses()) continue;
+    ++compressing;
+    bool found = false;
+    for (const policy_command& c : policy_commands) found = found || c.name == e.name;
+    if (!found) return false;
+  }
+  for (const policy_command& c : policy_commands) {
+    const llama2c::policy_entry* e = llama2c::find_policy(c.name);
+    if (e == nullptr || !e->compresses()) return false;
+  }
+  return compressing == std::size(policy_commands);
+}
+static_assert(commands_match_roster(), "triattn: every policy of llama2c::policy_registry needs a command here");
+
+/// The usage text; its list of policies is the roster's.
+std::string usage_text() {
+  return "usage:\n"
+         "  triattn score <policy> [inputs] --out SCORES.npy\n"
+         "  triattn select <policy> [inputs] --budget B [--granularity per_layer|per_kv_head|union] --out KEEP.npy\n"
+         "  triattn inspect S.safetensors\n"
+         "  triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]\n"
+         "\n"
+         "policies: " +
+         llama2c::policy_names(true) +
+         " (streaming_llm: select only)\n"
+         "inputs (.npy, little-endian, C order; float32, float16 or float64); each command ignores those it does not "
+         "use:\n"
+         "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys (all policies)\n"
+         "  --values V      [num_layers, num_kv_heads, num_tokens, head_dim] (vatp)\n"
+         "  --attn A        [num_layers, num_q_heads, rows, num_tokens] probabilities of the rows seen so far (h2o, "
+         "vatp)\n"
+         "  --queries Q     [num_layers, num_q_heads, w, head_dim] the last w queries, post-RoPE (snapkv, rkv)\n"
+         "  --stats S       triattn.stats.v1 safetensors (triattention)\n"
+         "  --round-start R position of the next token (triattention)\n"
+         "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (triattention; default: slot index)\n"
+         "  --gqa mean|max|sum   GQA aggregation of h2o, vatp, snapkv (default mean); triattention: max|mean\n"
+         "  --sinks S       attention sinks of streaming_llm (default 4)\n"
+         "triattention options: --offset-max N (65536) --aggregation mean|max --disable-trig --disable-norm\n"
+         "  --no-normalize --window W\n"
+         "  --protect-first P (positions < P are always kept) --pre-rope (keys stored before RoPE)\n"
+         "--granularity (every select): keep sets per (layer, kv-head), per kv-head shared by the layers, or one for\n"
+         "  the whole sequence (rows combined by the mean of their normalised scores); default per_kv_head for\n"
+         "  triattention, per_layer for the others.\n"
+         "score writes float32 [num_layers, num_q_heads, num_tokens] raw scores for triattention and\n"
+         "[num_layers, num_kv_heads, num_tokens] (after GQA aggregation; always-kept window slots +inf) for the others.\n"
+         "select writes int64, ascending: [num_layers, num_kv_heads, min(B, num_tokens)] (per_layer),\n"
+         "[num_kv_heads, min(B, num_tokens)] (per_kv_head) or [min(B, num_tokens)] (union).\n"
+         "Errors print one line and exit with code 2; nothing is written then.\n";
+}
 
 int run(int argc, char** argv) {
   if (argc < 2 || std::string_view(argv[1]) == "--help" || std::string_view(argv[1]) == "-h") {
-    std::fputs(usage_text, argc < 2 ? stderr : stdout);
+    std::fputs(usage_text().c_str(), argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
   const std::string_view command = argv[1];
@@ -585,13 +666,13 @@ int run(int argc, char** argv) {
     if (argc < 3 || std::string_view(argv[2]).starts_with("--"))
       throw usage_error{std::string(command) + " needs a policy name"};
     const options o(argc, argv, 3);
-    if (o.has("--help")) return std::fputs(usage_text, stdout), 0;
-    for (const policy_command& p : policies)
+    if (o.has("--help")) return std::fputs(usage_text().c_str(), stdout), 0;
+    for (const policy_command& p : policy_commands)
       if (p.name == argv[2]) return p.run(o, command == "select");
-    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: triattention, h2o, snapkv, vatp, rkv)"};
+    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: " + llama2c::policy_names(true) + ")"};
   }
   const options o(argc, argv, 2);
-  if (o.has("--help")) return std::fputs(usage_text, stdout), 0;
+  if (o.has("--help")) return std::fputs(usage_text().c_str(), stdout), 0;
   if (command == "inspect") return inspect(o);
   if (command == "calibrate") return calibrate(o);
   throw usage_error{"unknown command \"" + std::string(command) + "\" (see triattn --help)"};

@@ -1,6 +1,6 @@
 // One TriAttention round on a Qwen3-8B-shaped cache (36 layers, 8 kv-heads, 32 q-heads, 128
-// dims, bf16, dense HND), timed with CUDA events: scoring, the whole plan (scoring + z-score +
-// reduction + selection) and the in-place compaction, each as achieved bytes per second next
+// dims, bf16, dense HND), timed with CUDA events: scoring, the whole plan (`plan_round` with
+// TriAttention's device scorer: scoring + z-score + reductions + selection) and the in-place compaction, each as achieved bytes per second next
 // to a device-to-device copy and a plain read of the same keys measured in the same run.
 // Usage: triattn_bench_gpu [tokens (32768)] [budget (2048)] [repetitions (7)]
 #include <cuda_runtime.h>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "triattn/cuda/compact.cuh"
+#include "triattn/cuda/round.cuh"
 #include "triattn/cuda/triattention.cuh"
 
 namespace {
@@ -158,16 +159,23 @@ int main(int argc, char** argv) {
   auto* d_round = device_alloc<std::int64_t>(1);
   check(cudaMemcpy(d_round, &round_start, sizeof round_start, cudaMemcpyHostToDevice), "copy round start");
   const triattn::triattention_config cfg = triattn::triattention_config::paper();
+  const triattn::cuda::triattention_scorer scorer{stats, cfg};
+  auto* d_budget = device_alloc<std::int32_t>(1);
+  check(cudaMemcpy(d_budget, &budget, sizeof budget, cudaMemcpyHostToDevice), "copy budget");
+  const triattn::cuda::round_inputs inputs{d_budget, d_round};
 
   auto* scores = device_alloc<float>(static_cast<std::size_t>(L) * geo.num_q_heads * tokens);
   auto* keep = device_alloc<std::int32_t>(static_cast<std::size_t>(L) * H * budget);
   auto* kept = device_alloc<std::int32_t>(static_cast<std::size_t>(L) * H);
   auto* status = device_alloc<std::int32_t>(1);
+  const triattn::cuda::device_keep_plan plan{keep, kept, budget};
+  const auto plan_round = [&](void* w, std::size_t& b) {
+    return triattn::cuda::plan_round(w, b, batch, scorer, cfg.round, inputs, plan, status, nullptr);
+  };
   auto* sink = device_alloc<unsigned>(1);
   std::size_t score_bytes = 0, plan_bytes = 0;
   check(triattn::cuda::triattention_score(nullptr, score_bytes, batch, stats, cfg, d_round, scores, status, nullptr), "score size");
-  check(triattn::cuda::triattention_plan(nullptr, plan_bytes, batch, stats, cfg, d_round, budget, keep, kept, status, nullptr),
-        "plan size");
+  check(plan_round(nullptr, plan_bytes), "plan size");
   const std::size_t ws_bytes = std::max(score_bytes, plan_bytes);
   auto* ws = device_alloc<std::byte>(ws_bytes);
   check(cudaMemset(status, 0, sizeof(std::int32_t)), "cudaMemset");
@@ -187,16 +195,16 @@ int main(int argc, char** argv) {
   });
   const float plan_ms = median_ms(reps, nothing, [&] {
     std::size_t b = ws_bytes;
-    check(triattn::cuda::triattention_plan(ws, b, batch, stats, cfg, d_round, budget, keep, kept, status, nullptr), "plan");
+    check(plan_round(ws, b), "plan");
   });
   const float compact_ms = median_ms(
       reps,
       [&] {
         reset();
         std::size_t b = ws_bytes;
-        check(triattn::cuda::triattention_plan(ws, b, batch, stats, cfg, d_round, budget, keep, kept, status, nullptr), "plan");
+        check(plan_round(ws, b), "plan");
       },
-      [&] { check(triattn::cuda::compact(batch, {keep, kept, budget}, {}, status, nullptr), "compact"); });
+      [&] { check(triattn::cuda::compact(batch, plan, {}, status, nullptr), "compact"); });
   check(cudaDeviceSynchronize(), "benchmark");
   std::int32_t final_status = -1;
   check(cudaMemcpy(&final_status, status, sizeof final_status, cudaMemcpyDeviceToHost), "status");
@@ -212,7 +220,7 @@ int main(int argc, char** argv) {
   std::printf("%-34s %9.3f %12.1f %13.1f%%\n", "plain read of K", read_ms, read_bw, 100.0 * read_bw / copy_bw);
   std::printf("%-34s %9.3f %12.1f %13.1f%%\n", "triattention_score (K + scores)", score_ms, score_bw,
               100.0 * score_bw / copy_bw);
-  std::printf("%-34s %9.3f %12s %14s\n", "triattention_plan (score..select)", plan_ms, "-", "-");
+  std::printf("%-34s %9.3f %12s %14s\n", "plan_round (score..select)", plan_ms, "-", "-");
   std::printf("%-34s %9.3f %12s %14s\n", "  of which after scoring (plan-score)", plan_ms - score_ms, "-", "-");
   std::printf("%-34s %9.3f %12.1f %13.1f%%\n", "compact (kept K+V rows, r+w)", compact_ms, moved / (compact_ms * 1e-3) / gb,
               100.0 * moved / (compact_ms * 1e-3) / gb / copy_bw);

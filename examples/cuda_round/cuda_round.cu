@@ -1,8 +1,9 @@
 // A TriAttention round on the GPU for a batch of two sequences: the engine owns a dense bf16
-// cache per sequence in device memory; one call plans every (sequence, layer, kv_head), one
-// call compacts them in place. README's CUDA example is the region between the markers.
+// cache per sequence in device memory; one call (`plan_round` with TriAttention's device
+// scorer) plans every (sequence, layer, kv_head), one call compacts them in place. README's CUDA example is the region between the markers.
 // Exits 77 (nothing to run) without a CUDA device.
 #include <triattn/cuda/compact.cuh>
+#include <triattn/cuda/round.cuh>
 #include <triattn/cuda/triattention.cuh>
 
 #include <cstdio>
@@ -70,29 +71,34 @@ int main() {
   triattn::cuda::triattention_device_stats device_stats;
   CHECK_CUDA(triattn::cuda::upload_stats(stats, stats_buffer, nullptr, device_stats));
   const std::vector<std::int64_t> next_positions(batch_size, capacity);  // each sequence's next token
+  const std::vector<std::int32_t> budgets(batch_size, budget);            // each sequence's budget
 
 // example-begin cuda_round
   // The batch: a device array of views (their pointers are device pointers) and the model.
   const triattn::cuda::view_batch<triattn::dense_kv_view> batch{upload(views), batch_size, geo, capacity};
-  const std::int64_t* round_starts = upload(next_positions);  // [batch]
+  // Per sequence: its budget and the position of its next token (the round start).
+  const triattn::cuda::round_inputs inputs{upload(budgets), upload(next_positions)};  // [batch] each
   const auto rows = static_cast<std::size_t>(batch_size) * layers * kv_heads;
   std::int32_t *keep, *kept, *status;  // [batch, layers, kv_heads, budget], [batch, layers, kv_heads], [1]
   CHECK_CUDA(cudaMalloc(&keep, rows * budget * sizeof(std::int32_t)));
   CHECK_CUDA(cudaMalloc(&kept, rows * sizeof(std::int32_t)));
   CHECK_CUDA(cudaMalloc(&status, sizeof(std::int32_t)));
   CHECK_CUDA(cudaMemset(status, 0, sizeof(std::int32_t)));
+  const triattn::cuda::device_keep_plan plan{keep, kept, budget};  // stride: the largest budget
 
+  // The policy is a device scorer; the round (granularity, protection, selection) is shared.
   const triattn::triattention_config config = triattn::triattention_config::paper();
+  const triattn::cuda::triattention_scorer scorer{device_stats, config};
   cudaStream_t stream = nullptr;
   std::size_t workspace_bytes = 0;  // a first call with no workspace sizes it
-  CHECK_CUDA(triattn::cuda::triattention_plan(nullptr, workspace_bytes, batch, device_stats, config, round_starts,
-                                              budget, keep, kept, status, stream));
+  CHECK_CUDA(triattn::cuda::plan_round(nullptr, workspace_bytes, batch, scorer, config.round, inputs, plan, status,
+                                       stream));
   void* workspace = nullptr;
   CHECK_CUDA(cudaMalloc(&workspace, workspace_bytes));
   // Score every key of the batch, decide, and compact K, V, positions and lengths in place.
-  CHECK_CUDA(triattn::cuda::triattention_plan(workspace, workspace_bytes, batch, device_stats, config, round_starts,
-                                              budget, keep, kept, status, stream));
-  CHECK_CUDA(triattn::cuda::compact(batch, {keep, kept, budget}, {}, status, stream));
+  CHECK_CUDA(triattn::cuda::plan_round(workspace, workspace_bytes, batch, scorer, config.round, inputs, plan, status,
+                                       stream));
+  CHECK_CUDA(triattn::cuda::compact(batch, plan, {}, status, stream));
 // example-end cuda_round
   CHECK_CUDA(cudaStreamSynchronize(stream));
 

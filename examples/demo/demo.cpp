@@ -32,8 +32,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The roster's names (llama2c::policy_registry), in its order.
+std::vector<std::string> every_policy() {
+  std::vector<std::string> out;
+  for (const std::string_view name : llama2c::policy_name_list()) out.emplace_back(name);
+  return out;
+}
+
 struct options {
-  std::vector<std::string> policies{"full", "streaming_llm", "h2o", "snapkv", "vatp", "rkv", "triattention"};
+  std::vector<std::string> policies = every_policy();  ///< default: the whole roster
   std::int64_t budget = 64;
   std::int64_t slack = 16;
   int steps = 256;
@@ -176,7 +183,7 @@ struct run_result {
 // Greedy decoding from BOS with `name`'s cache; the full-cache session reads the same tokens.
 run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std::string& name, const options& o,
                const llama2c::policy_inputs& inputs) {
-  std::optional<llama2c::any_policy> policy = llama2c::find_policy(name)->create(inputs);
+  std::optional<llama2c::any_policy> policy = llama2c::find_policy(name)->create(inputs);  // on o.schedule()
   const triattn::schedule sched = o.schedule();
   const auto start = std::chrono::steady_clock::now();
   llama2c::session full(m, o.steps);
@@ -197,7 +204,9 @@ run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std
     kl_sum += llama2c::kl_divergence(full.forward(token), logits);
     token = llama2c::argmax(logits);
     r.peak_bytes = std::max(r.peak_bytes, compressed.kv_bytes());
-    if (policy && triattn::maybe_compress(*policy, compressed.view(), o.budget, sched, compressed.position()))
+    // No prompt: the story starts from BOS, and every generated token may be evicted.
+    if (policy && triattn::maybe_compress(*policy, compressed.view(), o.budget,
+                                          triattn::round_context{compressed.position(), 0}))
       ++r.rounds;
     if (token == llama2c::bos_id) break;  // the model ends a story with BOS
     generated.push_back(token);
@@ -274,7 +283,8 @@ int main(int argc, char** argv) {
     if (std::any_of(o.policies.begin(), o.policies.end(),
                     [](const std::string& n) { return llama2c::find_policy(n)->needs_stats; }))
       stats = load_or_calibrate(m, tok, o);
-    const llama2c::policy_inputs inputs{stats ? &*stats : nullptr};
+    // Every policy on the demo's trigger (a round when the cache reaches budget + slack).
+    const llama2c::policy_inputs inputs{stats ? &*stats : nullptr, o.schedule()};
 
     std::vector<run_result> results;
     for (const std::string& name : o.policies) {

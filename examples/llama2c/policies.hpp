@@ -1,10 +1,16 @@
 /// \file llama2c/policies.hpp
-/// \brief triattn policies picked by name at run time, behind one type, for the demo and the
-/// tools that drive a `llama2c::session`.
+/// \brief The roster of triattn policies: every program of this repository that lists,
+/// names or builds policies at run time (the demo, `triattn`'s usage and errors,
+/// triattn_eval's grid and plots, the runner's tests) takes the list from `policy_registry`.
 ///
-/// To add a policy: one line in `policy_registry`. `any_policy` forwards `plan`, `state`,
-/// `after_compact`, `set_position`, `attach` and `observe`, so it is itself a triattn policy: `triattn::compress` and
-/// `triattn::maybe_compress` take it like the policy it wraps.
+/// To add a policy: its header gives the class a `static constexpr std::string_view name`,
+/// and one line of `policy_registry` gives its description and factory. Names come from the
+/// class (`roster_entry<P>`), so a policy has one name everywhere.
+///
+/// `any_policy` erases a policy's type: it forwards `plan(view, budget, ctx)`, `round()`,
+/// `state()`, `after_compact`, `attach` and `observe`, so it is itself a triattn policy:
+/// `triattn::compress` and `triattn::maybe_compress` take it like the policy it wraps (the
+/// round's position and prompt length travel in the `triattn::round_context`).
 #pragma once
 
 #include <algorithm>
@@ -24,6 +30,8 @@
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/round.hpp"
+#include "triattn/core/schedule.hpp"
 #include "triattn/policies/h2o.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/rkv.hpp"
@@ -34,21 +42,27 @@
 
 namespace llama2c {
 
-/// Any triattn policy over dense views, type-erased.
+/// Any triattn policy over dense views that states its `round()` options, type-erased.
 class any_policy : public triattn::policy_base<any_policy> {
  public:
   template <class P>
-    requires triattn::compression_policy<P, triattn::dense_kv_view>
+    requires(triattn::compression_policy<P, triattn::dense_kv_view> &&
+             requires(const P& p) { { p.round() } -> std::convertible_to<const triattn::round_options&>; })
   explicit any_policy(P policy) : self_(std::make_unique<holder<P>>(std::move(policy))) {}
 
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) {
-    return self_->plan(view, budget);
+  /// The wrapped policy's `name`, or "policy" when its class has none.
+  std::string_view name() const { return self_->name(); }
+  /// The keep plan of a round (the wrapped policy's; changes nothing).
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget,
+                          const triattn::round_context& ctx = {}) {
+    return self_->plan(view, budget, ctx);
   }
+  /// The wrapped policy's round options: its schedule is the one `maybe_compress` follows.
+  const triattn::round_options& round() const { return self_->round(); }
   std::vector<triattn::slot_state> state() { return self_->state(); }
   void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) {
     self_->after_compact(view, plan);
   }
-  void set_position(std::int64_t next_position) { self_->set_position(next_position); }
   /// Sizes the policy's state for `view` (policies that observe attention keep per-slot state).
   void attach(const triattn::dense_kv_view& view) { self_->attach(view); }
   /// One query row of the engine's attention (see llama2c::observer).
@@ -59,10 +73,12 @@ class any_policy : public triattn::policy_base<any_policy> {
  private:
   struct base {
     virtual ~base() = default;
-    virtual triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) = 0;
+    virtual std::string_view name() const = 0;
+    virtual triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget,
+                                    const triattn::round_context& ctx) = 0;
+    virtual const triattn::round_options& round() const = 0;
     virtual std::vector<triattn::slot_state> state() = 0;
     virtual void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) = 0;
-    virtual void set_position(std::int64_t next_position) = 0;
     virtual void attach(const triattn::dense_kv_view& view) = 0;
     virtual void observe(int layer, int q_head, std::int32_t position, std::span<const float> q,
                          std::span<const float> probs) = 0;
@@ -72,9 +88,22 @@ class any_policy : public triattn::policy_base<any_policy> {
   struct holder final : base {
     P policy;
     explicit holder(P p) : policy(std::move(p)) {}
-    triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget) override {
-      return policy.plan(view, budget);
+    std::string_view name() const override {
+      if constexpr (requires { P::name; }) {
+        return P::name;
+      } else {
+        return "policy";
+      }
     }
+    triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget,
+                            const triattn::round_context& ctx) override {
+      if constexpr (requires { policy.plan(view, budget, ctx); }) {
+        return policy.plan(view, budget, ctx);  // the library's policies: policy_base::plan
+      } else {
+        return triattn::plan_round(policy, view, budget, ctx, "llama2c::any_policy::plan");
+      }
+    }
+    const triattn::round_options& round() const override { return policy.round(); }
     std::vector<triattn::slot_state> state() override {
       if constexpr (requires(P& p) { p.state(); }) {
         return policy.state();
@@ -84,9 +113,6 @@ class any_policy : public triattn::policy_base<any_policy> {
     }
     void after_compact(const triattn::dense_kv_view& view, const triattn::keep_plan& plan) override {
       if constexpr (requires(P& p) { p.after_compact(view, plan); }) policy.after_compact(view, plan);
-    }
-    void set_position(std::int64_t next_position) override {
-      if constexpr (requires(P& p) { p.set_position(next_position); }) policy.set_position(next_position);
     }
     void attach(const triattn::dense_kv_view& view) override {
       if constexpr (requires(P& p) { p.attach(view); }) policy.attach(view);
@@ -115,11 +141,23 @@ class policy_observer final : public observer {
 };
 
 /// Uniformly random keep sets per (layer, kv_head), from a fixed seed: the floor every policy
-/// must beat (triattn_eval's `random` row, and the quality test).
+/// must beat (triattn_eval's `random` row, and the quality test). A plan policy (it builds its
+/// own plan): one decision per (layer, kv_head) whatever the granularity, every slot a
+/// candidate; `round()` only carries its schedule.
 class random_eviction : public triattn::policy_base<random_eviction> {
  public:
-  explicit random_eviction(std::uint64_t seed) : rng_(seed) {}
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep) {
+  static constexpr std::string_view name = "random";
+
+  explicit random_eviction(std::uint64_t seed, triattn::schedule sched = triattn::schedule::every_step())
+      : rng_(seed) {
+    round_.sched = sched;
+  }
+
+  const triattn::round_options& round() const { return round_; }
+
+  /// Draws, in (layer, kv_head) order, min(length, keep) slots of each row. The context is
+  /// not read: a random keep set depends on nothing but the draw.
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep, const triattn::round_context& = {}) {
     const triattn::kv_geometry& g = view.geometry();
     triattn::keep_plan p(g.num_layers, g.num_kv_heads);
     std::vector<std::int32_t> slots;
@@ -145,18 +183,22 @@ class random_eviction : public triattn::policy_base<random_eviction> {
 
  private:
   std::mt19937_64 rng_;
+  triattn::round_options round_{};
 };
 
-/// What some policies need besides the cache: TriAttention's calibration statistics.
+/// What some policies need besides the cache, and the caller's overrides.
 struct policy_inputs {
-  const triattn::query_stats* stats = nullptr;
+  const triattn::query_stats* stats = nullptr;  ///< TriAttention's calibration statistics
+  /// When set, the schedule `maybe_compress` follows (`config.round.sched`) instead of the
+  /// policy's own: the demo and triattn_eval run every policy on one trigger.
+  std::optional<triattn::schedule> sched;
 };
 
-/// One name of the registry. `make` is null for `full`, the uncompressed reference.
+/// One policy of the roster. `make` is null for `full`, the uncompressed reference.
 struct policy_entry {
   std::string_view name;
   std::string_view summary;
-  any_policy (*make)(const policy_inputs&);
+  any_policy (*make)(const policy_inputs&) = nullptr;
   bool needs_stats = false;
 
   /// A fresh policy, or std::nullopt for `full`. Throws `triattn::error` when the policy
@@ -166,37 +208,69 @@ struct policy_entry {
                   " needs calibration statistics (--stats)");
     return make != nullptr ? std::optional(make(in)) : std::nullopt;
   }
+  /// Whether the entry compresses (every entry but `full`).
+  constexpr bool compresses() const { return make != nullptr; }
 };
 
+/// `policy` with the caller's schedule, if any, type-erased.
+template <class P>
+any_policy configured(P policy, const policy_inputs& in) {
+  if (in.sched) policy.config.round.sched = *in.sched;
+  return any_policy(std::move(policy));
+}
+
+/// The roster entry of policy class `P`: its name is `P::name`.
+template <class P>
+constexpr policy_entry roster_entry(std::string_view summary, any_policy (*make)(const policy_inputs&),
+                                    bool needs_stats = false) {
+  return {P::name, summary, make, needs_stats};
+}
+
+/// The name of the uncompressed reference (no policy class).
+inline constexpr std::string_view full_name = "full";
+
+/// The roster: every policy the programs offer, in the order they list them.
 inline constexpr std::array policy_registry{
-    policy_entry{"full", "no compression: the reference cache", nullptr},
-    policy_entry{"streaming_llm", "4 attention sinks + the most recent tokens (Xiao et al. 2023)",
-                 [](const policy_inputs&) { return any_policy(triattn::streaming_llm{}); }},
-    policy_entry{"h2o", "heavy hitters by accumulated attention + the most recent (Zhang et al. 2023)",
-                 [](const policy_inputs&) { return any_policy(triattn::h2o{}); }},
-    policy_entry{"snapkv", "votes of the last 8 queries, max-pooled (Li et al. 2024; decode-time variant)",
-                 [](const policy_inputs&) { return any_policy(triattn::snapkv(triattn::snapkv_config::decode())); }},
-    policy_entry{"vatp", "H2O's score x value L1 norm, 4 sinks (Guo et al. 2024)",
-                 [](const policy_inputs&) { return any_policy(triattn::vatp{}); }},
-    policy_entry{"rkv", "importance minus redundancy of the last 8 queries (Cai et al. 2025)",
-                 [](const policy_inputs&) { return any_policy(triattn::rkv(triattn::rkv_config::paper())); }},
-    policy_entry{"triattention",
-                 "calibrated query centres predict attention from distance (paper defaults: one keep set per KV "
-                 "head, offsets to 65536)",
-                 [](const policy_inputs& in) { return any_policy(triattn::triattention(*in.stats)); }, true},
+    policy_entry{full_name, "no compression: the reference cache"},
+    roster_entry<triattn::streaming_llm>(
+        "4 attention sinks + the most recent tokens (Xiao et al. 2023)",
+        [](const policy_inputs& in) { return configured(triattn::streaming_llm{}, in); }),
+    roster_entry<triattn::h2o>("heavy hitters by accumulated attention + the most recent (Zhang et al. 2023)",
+                               [](const policy_inputs& in) { return configured(triattn::h2o{}, in); }),
+    roster_entry<triattn::snapkv>(
+        "votes of the last 8 queries, max-pooled (Li et al. 2024; decode-time variant)",
+        [](const policy_inputs& in) { return configured(triattn::snapkv(triattn::snapkv_config::decode()), in); }),
+    roster_entry<triattn::vatp>("H2O's score x value L1 norm, 4 sinks (Guo et al. 2024)",
+                                [](const policy_inputs& in) { return configured(triattn::vatp{}, in); }),
+    roster_entry<triattn::rkv>(
+        "importance minus redundancy of the last 8 queries (Cai et al. 2025)",
+        [](const policy_inputs& in) { return configured(triattn::rkv(triattn::rkv_config::paper()), in); }),
+    roster_entry<triattn::triattention>(
+        "calibrated query centres predict attention from distance (paper defaults: one keep set per KV head, "
+        "offsets to 65536)",
+        [](const policy_inputs& in) { return configured(triattn::triattention(*in.stats), in); }, true),
 };
 
 /// The entry called `name`, or nullptr.
-inline const policy_entry* find_policy(std::string_view name) {
+constexpr const policy_entry* find_policy(std::string_view name) {
   for (const policy_entry& e : policy_registry)
     if (e.name == name) return &e;
   return nullptr;
 }
 
-/// "full, streaming_llm, ...": the known names, for messages.
-inline std::string policy_names() {
+/// The roster's names, in order; without `full` when `compressing_only`.
+inline std::vector<std::string_view> policy_name_list(bool compressing_only = false) {
+  std::vector<std::string_view> out;
+  for (const policy_entry& e : policy_registry)
+    if (!compressing_only || e.compresses()) out.push_back(e.name);
+  return out;
+}
+
+/// "full, streaming_llm, ...": the known names, for messages; without `full` when
+/// `compressing_only`.
+inline std::string policy_names(bool compressing_only = false) {
   std::string out;
-  for (const policy_entry& e : policy_registry) out += (out.empty() ? "" : ", ") + std::string(e.name);
+  for (const std::string_view n : policy_name_list(compressing_only)) out += (out.empty() ? "" : ", ") + std::string(n);
   return out;
 }
 

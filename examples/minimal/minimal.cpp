@@ -33,8 +33,9 @@ int main() {
   view.k_stride = view.v_stride = triattn::kv_strides::hnd(capacity, head_dim);
   view.slots = {lengths.data(), positions.data(), capacity};
 
-  triattn::streaming_llm policy({.sinks = 4});
-  const auto sched = triattn::schedule::with_slack(32);  // cut to `budget` when it reaches budget + 32
+  // 4 attention sinks + the most recent tokens; a round cuts the cache to `budget` when it
+  // reaches budget + 32 (the schedule is the policy's: config.round.sched).
+  triattn::streaming_llm policy({.sinks = 4, .round = {.sched = triattn::schedule::with_slack(32)}});
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   int rounds = 0;
@@ -50,7 +51,7 @@ int main() {
         view.position(l, h, slot) = pos;
         view.set_length(l, h, slot + 1);
       }
-    rounds += triattn::maybe_compress(policy, view, budget, sched, pos + 1);
+    rounds += triattn::maybe_compress(policy, view, budget, {.position = pos + 1});  // the next token's position
   }
   std::printf("1000 tokens decoded, %d compression rounds, %d tokens cached per head (capacity %d)\n", rounds,
               view.length(0, 0), capacity);

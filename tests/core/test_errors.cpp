@@ -101,7 +101,7 @@ void reject_everywhere(test_cache& c, const V& view, const needles& want) {
   require_rejected(c, [&] { policy.compress(view, budget); }, with("triattn::compress"));
   std::vector<std::int32_t> freed;
   require_rejected(
-      c, [&] { triattn::maybe_compress(policy, view, budget, triattn::schedule::every_step(), 64, &freed); },
+      c, [&] { triattn::maybe_compress(policy, view, budget, {.position = 64}, &freed); },
       with("triattn::maybe_compress"));
   CHECK(freed.empty());
 }
@@ -206,7 +206,8 @@ TEST_CASE("a budget below 1 is rejected, untouched") {
         const needles want = {"triattn::compress", "budget " + std::to_string(b)};
         require_rejected(c, [&] { triattn::compress(policy, v, b); }, want);
         require_rejected(c, [&] { policy.compress(v, b); }, want);
-        require_rejected(c, [&] { triattn::maybe_compress(policy, v, b, triattn::schedule::every_step(), 0); },
+        // maybe_compress reads the policy's schedule (every_step for StreamingLLM), which checks the budget
+        require_rejected(c, [&] { triattn::maybe_compress(policy, v, b, {.position = 1000}); },
                          {"budget " + std::to_string(b)});
       }
       require_rejected(c, [&] { (void)policy.plan(v, 0); }, {"triattn::streaming_llm::plan", "budget 0"});
@@ -245,7 +246,9 @@ TEST_CASE("a bad keep plan is rejected before any row moves") {
       // A policy whose plan is bad: compress must validate it before moving anything.
       struct bad_policy {
         triattn::keep_plan p;
-        triattn::keep_plan plan(const std::decay_t<decltype(v)>&, std::int64_t) const { return p; }
+        triattn::keep_plan plan(const std::decay_t<decltype(v)>&, std::int64_t, const triattn::round_context&) const {
+          return p;
+        }
       } bad{plan_with_last_row(c, {2, 1})};
       require_rejected(c, [&] { triattn::compress(bad, v, budget); }, {"triattn::compact", "2 then 1"});
     });

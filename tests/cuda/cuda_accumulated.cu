@@ -22,6 +22,7 @@
 #include "support/reference.hpp"
 #include "support/views.hpp"
 #include "triattn/cuda/accumulated.cuh"
+#include "triattn/cuda/round.cuh"
 #include "triattn/cuda/compact.cuh"
 
 namespace {
@@ -144,12 +145,16 @@ struct gpu_plan {
       : stride(split.total() < 1 ? 1 : static_cast<std::int32_t>(split.total())),
         keep(count * static_cast<std::size_t>(stride)),
         kept(count) {
+    // The split's counts as the scorer's config; a budget of its total resolves to that split.
+    const triattn::cuda::accumulated_scorer scorer{acc.state(), o.scoring, {split.heavy, split.recent, -1.0, -1.0, split.sinks}};
+    const device_buffer<std::int32_t> budgets(std::vector<std::int32_t>(static_cast<std::size_t>(dev.batch().size), stride));
+    const triattn::cuda::device_keep_plan plan{keep.get(), kept.get(), stride};
     std::size_t bytes = 0;
-    CUDA_REQUIRE(triattn::cuda::plan_accumulated(nullptr, bytes, dev.batch(), acc.state(), o.scoring, split,
-                                                 keep.get(), kept.get(), status.get(), nullptr));
+    CUDA_REQUIRE(triattn::cuda::plan_round(nullptr, bytes, dev.batch(), scorer, triattn::round_options{},
+                                           {budgets.get()}, plan, status.get(), nullptr));
     device_buffer<std::byte> ws(bytes);
-    CUDA_REQUIRE(triattn::cuda::plan_accumulated(ws.get(), bytes, dev.batch(), acc.state(), o.scoring, split,
-                                                 keep.get(), kept.get(), status.get(), nullptr));
+    CUDA_REQUIRE(triattn::cuda::plan_round(ws.get(), bytes, dev.batch(), scorer, triattn::round_options{},
+                                           {budgets.get()}, plan, status.get(), nullptr));
     const std::vector<std::int32_t> k = keep.download(), n = kept.download();
     for (std::size_t r = 0; r < count; ++r)
       rows.emplace_back(k.begin() + static_cast<std::ptrdiff_t>(r * stride),
@@ -317,8 +322,8 @@ TRIATTN_CUDA_TEST("a split of no slots keeps nothing, and a null workspace only 
   const gpu_plan plan(dev, acc, case_options{}, triattn::h2o_split{}, status, rows);
   for (std::size_t r = 0; r < rows; ++r) CHECK(plan.rows[r].empty(), "row ", r, " keeps ", plan.rows[r].size());
   std::size_t bytes = 0;
-  CUDA_REQUIRE(triattn::cuda::plan_accumulated(nullptr, bytes, dev.batch(), {}, {}, triattn::h2o_split{}, nullptr,
-                                               nullptr, nullptr, nullptr));
+  CUDA_REQUIRE(triattn::cuda::plan_round(nullptr, bytes, dev.batch(), triattn::cuda::accumulated_scorer{},
+                                         triattn::round_options{}, {}, {nullptr, nullptr, 1}, nullptr, nullptr));
   CHECK(bytes > 0, "a null workspace must never be what the call needs");
 }
 
@@ -334,9 +339,11 @@ TRIATTN_CUDA_TEST("host argument errors are refused before any launch, naming th
     CHECK(triattn::cuda::last_error_message().find(needle) != std::string::npos, triattn::cuda::last_error_message());
   };
   std::size_t bytes = 0;
-  refused(triattn::cuda::plan_accumulated(nullptr, bytes, dev.batch(), acc.state(), {}, triattn::h2o_split{2, 1, 3},
-                                          nullptr, nullptr, nullptr, nullptr),
-          "sinks 3");
+  triattn::cuda::accumulated_scorer negative_sinks{acc.state(), {}, {}};
+  negative_sinks.split.parts.sinks = -3;
+  refused(triattn::cuda::plan_round(nullptr, bytes, dev.batch(), negative_sinks, triattn::round_options{}, {},
+                                    {nullptr, nullptr, 1}, nullptr, nullptr),
+          "sinks -3");
   refused(triattn::cuda::accumulate_attention(dev.batch(), nullptr, nullptr, acc.state(), nullptr), "probs is null");
   triattn::cuda::accumulated_scoring vatp;
   vatp.value_weighted = true;

@@ -1,5 +1,6 @@
 // TriAttention and StreamingLLM on the GPU against the CPU policies: raw scores of every
-// (sequence, layer, q_head) within 1e-5 of the row's largest |score|; keep plans identical
+// (sequence, layer, q_head) within 1e-5 of the row's largest |score|, fp8 caches with a scale
+// included; `plan_round` keep plans identical
 // wherever the double-precision oracle's decision is not a near-tie, exact ties included;
 // whole rounds (plan + compact) byte-identical to the CPU's compress; non-finite keys and bad
 // arguments rejected with the cache untouched.
@@ -19,6 +20,7 @@
 #include "support/triattention_reference.hpp"
 #include "support/views.hpp"
 #include "triattn/cuda/compact.cuh"
+#include "triattn/cuda/round.cuh"
 #include "triattn/cuda/streaming_llm.cuh"
 #include "triattn/cuda/triattention.cuh"
 
@@ -26,7 +28,6 @@ namespace {
 
 using namespace triattn_cuda_test;
 using triattn::triattention_config;
-using triattn::triattention_granularity;
 using triattn_test::cache_layout;
 
 /// Everything one TriAttention case needs: host caches, their device batch, the stats on both
@@ -61,6 +62,11 @@ struct tri_case {
   }
 };
 
+/// Every element type of the CUDA path; fp8 caches get a per-tensor scale other than 1.
+constexpr triattn::dtype gpu_dtypes[] = {triattn::dtype::f32, triattn::dtype::f16, triattn::dtype::bf16,
+                                         triattn::dtype::fp8_e4m3, triattn::dtype::fp8_e5m2};
+bool is_fp8(triattn::dtype t) { return t == triattn::dtype::fp8_e4m3 || t == triattn::dtype::fp8_e5m2; }
+
 /// A random TriAttention shape: every layout and dtype, GQA group, pairing, key state.
 triattn_test::cache_shape tri_shape(std::mt19937_64& g, cache_layout layout, triattn::dtype type, int group,
                                     triattn::rope_style style, triattn::key_state keys, int head_dim) {
@@ -70,6 +76,7 @@ triattn_test::cache_shape tri_shape(std::mt19937_64& g, cache_layout layout, tri
   s.keys = keys;
   s.rope.style = style;
   s.rope.theta = keys == triattn::key_state::pre_rope ? 1e6 : 1e4;
+  if (is_fp8(type)) s.k_scale = 0.25f, s.v_scale = 2.0f;
   return s;
 }
 
@@ -111,10 +118,10 @@ void score_case(const triattn_test::cache_shape& shape, int batch, const triatte
   }
 }
 
-TRIATTN_CUDA_TEST("triattention_score equals the CPU scorer on every layout, dtype, group, pairing and key state") {
+TRIATTN_CUDA_TEST("triattention_score equals the CPU scorer on every layout, dtype (fp8 with scale), group, pairing and key state") {
   auto g = triattn_test::rng(11);
   for (const cache_layout layout : triattn_test::all_layouts)
-    for (const triattn::dtype type : triattn_test::all_dtypes)
+    for (const triattn::dtype type : gpu_dtypes)
       for (const int group : {1, 2, 4}) {
         const auto style = g() % 2 ? triattn::rope_style::half : triattn::rope_style::interleaved;
         const auto keys = g() % 2 ? triattn::key_state::post_rope : triattn::key_state::pre_rope;
@@ -131,7 +138,8 @@ TRIATTN_CUDA_TEST("triattention_score equals the CPU scorer on every layout, dty
       }
 }
 
-/// A GPU round, synchronised: triattention_plan, then compact with the round's status word.
+/// A GPU round, synchronised: `plan_round` with a device scorer, then compact with the
+/// round's status word.
 struct gpu_round {
   std::vector<std::int32_t> keep, kept;  // [batch, layers, kv_heads, budget], [batch, layers, kv_heads]
   std::int32_t status;
@@ -143,51 +151,61 @@ struct gpu_round {
   }
 };
 
-template <class V>
-gpu_round run_gpu_round(const device_batch<V>& dev, const tri_case<V>& tc, const triattention_config& cfg,
-                        std::int32_t budget) {
+/// Every sequence of `dev` cut to `budget` by `scorer` under `options`, from `round_starts` (or
+/// null) after prompts of `prompt_length` tokens.
+template <class S, class V>
+gpu_round run_plan_round(const device_batch<V>& dev, const S& scorer, const triattn::round_options& options,
+                         const std::int64_t* round_starts, std::int64_t prompt_length, std::int32_t budget) {
   const triattn::cuda::view_batch<V> batch = dev.batch();
   const std::size_t rows = static_cast<std::size_t>(batch.size) * batch.geometry.num_layers * batch.geometry.num_kv_heads;
   device_buffer<std::int32_t> keep(rows * static_cast<std::size_t>(budget)), kept(rows);
   device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
+  const device_buffer<std::int32_t> budgets(std::vector<std::int32_t>(static_cast<std::size_t>(batch.size), budget));
+  const device_buffer<std::int64_t> prompts(std::vector<std::int64_t>(static_cast<std::size_t>(batch.size), prompt_length));
+  const triattn::cuda::round_inputs inputs{budgets.get(), round_starts, prompts.get()};
+  const triattn::cuda::device_keep_plan plan{keep.get(), kept.get(), budget};
   std::size_t bytes = 0;
-  CUDA_REQUIRE(triattn::cuda::triattention_plan(nullptr, bytes, batch, tc.device_stats, cfg, tc.d_round_starts.get(),
-                                                budget, keep.get(), kept.get(), status.get(), nullptr));
+  CUDA_REQUIRE(triattn::cuda::plan_round(nullptr, bytes, batch, scorer, options, inputs, plan, status.get(), nullptr));
   device_buffer<std::byte> ws(bytes);
-  CUDA_REQUIRE(triattn::cuda::triattention_plan(ws.get(), bytes, batch, tc.device_stats, cfg, tc.d_round_starts.get(),
-                                                budget, keep.get(), kept.get(), status.get(), nullptr));
-  CUDA_REQUIRE(triattn::cuda::compact(batch, {keep.get(), kept.get(), budget}, {}, status.get(), nullptr));
+  CUDA_REQUIRE(triattn::cuda::plan_round(ws.get(), bytes, batch, scorer, options, inputs, plan, status.get(), nullptr));
+  CUDA_REQUIRE(triattn::cuda::compact(batch, plan, {}, status.get(), nullptr));
   CUDA_REQUIRE(cudaDeviceSynchronize());
   return {keep.download(), kept.download(), status.download()[0]};
+}
+
+template <class V>
+gpu_round run_gpu_round(const device_batch<V>& dev, const tri_case<V>& tc, const triattention_config& cfg,
+                        std::int64_t prompt_length, std::int32_t budget) {
+  return run_plan_round(dev, triattn::cuda::triattention_scorer{tc.device_stats, cfg}, cfg.round,
+                        tc.d_round_starts.get(), prompt_length, budget);
 }
 
 /// Runs a GPU plan, then compact, and the CPU plan + compact on the host caches; checks the
 /// keep sets and the caches wherever the oracle decides clearly. Returns how many sequences
 /// were decisive.
 template <class V>
-int plan_case(const triattn_test::cache_shape& shape, int batch, const triattention_config& cfg, std::int32_t budget,
-              bool duplicate_keys, std::mt19937_64& g) {
-  INFO_SCOPE(shape.describe(), " batch ", batch, " budget ", budget,
-             cfg.granularity == triattention_granularity::per_kv_head ? " per_kv_head" : " per_layer_kv_head",
-             cfg.normalize ? " z-scored" : " raw", " window ", cfg.window, " prompt ", cfg.prompt_length,
+int plan_case(const triattn_test::cache_shape& shape, int batch, const triattention_config& cfg,
+              std::int64_t prompt_length, std::int32_t budget, bool duplicate_keys, std::mt19937_64& g) {
+  INFO_SCOPE(shape.describe(), " batch ", batch, " budget ", budget, " ", triattn::granularity_name(cfg.round.grain),
+             cfg.normalize ? " z-scored" : " raw", " window ", cfg.window, " prompt ", prompt_length,
              duplicate_keys ? " duplicated keys" : "");
-  tri_case<V> tc(shape, batch, cfg.granularity == triattention_granularity::per_kv_head, g);
+  tri_case<V> tc(shape, batch, cfg.round.grain != triattn::granularity::per_layer, g);
   if (duplicate_keys)  // exact ties: slot s copies slot s - 1 in every layer, so the scores tie everywhere
     for (auto& c : tc.caches)
       for (int l = 0; l < shape.num_layers; ++l)
         for (int h = 0; h < shape.num_kv_heads; ++h)
           for (std::int32_t s = 1; s < c.length(l, h); s += 2) c.store_key(l, h, s, c.key(l, h, s - 1));
   const device_batch<V> dev(tc.caches);
-  const gpu_round gpu = run_gpu_round(dev, tc, cfg, budget);
+  const gpu_round gpu = run_gpu_round(dev, tc, cfg, prompt_length, budget);
   CHECK(gpu.status == 0);
   int decisive = 0;
   for (int b = 0; b < batch; ++b) {
     auto& c = tc.caches[static_cast<std::size_t>(b)];
     const std::int64_t r = tc.round_starts[static_cast<std::size_t>(b)];
-    const double margin = cpu::triattention_margin(c, tc.stats, cfg, r, budget);
+    const double margin = cpu::triattention_margin(c, tc.stats, cfg, r, prompt_length, budget);
     if (margin <= (cfg.normalize ? 2e-4 : 2e-5)) continue;  // a near-tie two fp32 scorers may cut differently
     ++decisive;
-    const cpu::keep_rows expected = cpu::triattention_plan(c, tc.stats, cfg, r, budget);
+    const cpu::keep_rows expected = cpu::triattention_plan(c, tc.stats, cfg, r, prompt_length, budget);
     for (std::size_t row = 0; row < expected.size(); ++row)
       CHECK(gpu.row_keep(static_cast<std::size_t>(b) * expected.size() + row, budget) == expected[row], "sequence ", b,
             " row (layer x kv_head) ", row);
@@ -197,28 +215,28 @@ int plan_case(const triattn_test::cache_shape& shape, int batch, const triattent
   return decisive;
 }
 
-TRIATTN_CUDA_TEST("triattention_plan + compact equal the CPU's round, ties included") {
+TRIATTN_CUDA_TEST("plan_round(triattention_scorer) + compact equal the CPU's round per layer and per KV head, ties included") {
   auto g = triattn_test::rng(12);
   int cases = 0, decisive = 0;
   for (const cache_layout layout : triattn_test::all_layouts)
     for (const triattn::dtype type : triattn_test::all_dtypes)
       for (const int group : {1, 2, 4})
-        for (const auto granularity : {triattention_granularity::per_kv_head, triattention_granularity::per_layer_kv_head}) {
+        for (const auto granularity : {triattn::granularity::per_kv_head, triattn::granularity::per_layer}) {
           const bool ties = g() % 3 == 0;
           const auto keys = ties ? triattn::key_state::post_rope : triattn::key_state::pre_rope;
           const auto shape = tri_shape(g, layout, type, group, triattn::rope_style::half, keys, g() % 2 ? 64 : 128);
           triattention_config cfg;
-          cfg.granularity = granularity;
+          cfg.round.grain = granularity;
           cfg.normalize = g() % 4 != 0;
           cfg.gqa_reduction = g() % 2 ? triattn::triattention_gqa_reduction::max : triattn::triattention_gqa_reduction::mean;
           cfg.window = static_cast<std::int64_t>(g() % 8);
-          cfg.prompt_length = g() % 2 ? static_cast<std::int64_t>(g() % 60) : 0;
+          const std::int64_t prompt_length = g() % 2 ? static_cast<std::int64_t>(g() % 60) : 0;
           const std::int32_t budget = std::vector<std::int32_t>{1, 7, 64, 500}[g() % 4];
           const int batch = 1 + static_cast<int>(g() % 3);
           cases += batch;
           decisive += triattn_test::is_paged(layout)
-                          ? plan_case<triattn::paged_kv_view>(shape, batch, cfg, budget, ties, g)
-                          : plan_case<triattn::dense_kv_view>(shape, batch, cfg, budget, ties, g);
+                          ? plan_case<triattn::paged_kv_view>(shape, batch, cfg, prompt_length, budget, ties, g)
+                          : plan_case<triattn::dense_kv_view>(shape, batch, cfg, prompt_length, budget, ties, g);
         }
   CHECK(decisive * 10 >= cases * 8, decisive, " of ", cases, " sequences were decisive: too few to mean anything");
 }
@@ -237,8 +255,8 @@ TRIATTN_CUDA_TEST("a non-finite key fails the round on the device and compact mo
   const triattn_test::cache_bytes before = c.snapshot();
   const device_batch<triattn::paged_kv_view> dev(tc.caches);
   triattention_config cfg;
-  cfg.granularity = triattention_granularity::per_layer_kv_head;
-  const gpu_round gpu = run_gpu_round(dev, tc, cfg, 8);
+  cfg.round.grain = triattn::granularity::per_layer;
+  const gpu_round gpu = run_gpu_round(dev, tc, cfg, 0, 8);
   CHECK(gpu.status == static_cast<std::int32_t>(triattn::cuda::round_status::non_finite_key));
   CHECK(dev.mirror(0).download() == before, "the cache changed");
 }
@@ -255,18 +273,25 @@ TRIATTN_CUDA_TEST("triattention calls reject bad arguments on the host, naming t
     CHECK(triattn::cuda::last_error_message().find(needle) != std::string::npos, triattn::cuda::last_error_message());
   };
   triattention_config cfg;
-  expect_rejected(triattn::cuda::triattention_plan(nullptr, bytes, dev.batch(), tc.device_stats, cfg, nullptr, 0,
-                                                   nullptr, nullptr, nullptr, nullptr),
-                  "budget 0");
+  const triattn::cuda::triattention_scorer scorer{tc.device_stats, cfg};
+  device_buffer<std::int32_t> budgets(std::vector<std::int32_t>{4}), status(std::vector<std::int32_t>{0});
+  expect_rejected(triattn::cuda::plan_round(nullptr, bytes, dev.batch(), scorer, cfg.round, {budgets.get()},
+                                            {nullptr, nullptr, 0}, status.get(), nullptr),
+                  "stride 0");
   auto wrong = tc.device_stats;
   wrong.num_q_heads *= 2;
   expect_rejected(triattn::cuda::triattention_score(nullptr, bytes, dev.batch(), wrong, cfg, nullptr, nullptr, nullptr,
                                                     nullptr),
                   std::to_string(wrong.num_q_heads) + " q_heads");
-  cfg.granularity = triattention_granularity::global_union;
-  expect_rejected(triattn::cuda::triattention_plan(nullptr, bytes, dev.batch(), tc.device_stats, cfg, nullptr, 4,
-                                                   nullptr, nullptr, nullptr, nullptr),
-                  "global_union");
+  const std::size_t rows = static_cast<std::size_t>(shape.num_layers) * shape.num_kv_heads;
+  device_buffer<std::int32_t> keep(rows * 4), kept(rows);
+  const triattn::cuda::device_keep_plan plan{keep.get(), kept.get(), 4};
+  CUDA_REQUIRE(triattn::cuda::plan_round(nullptr, bytes, dev.batch(), scorer, cfg.round, {budgets.get()}, plan,
+                                         status.get(), nullptr));
+  device_buffer<std::byte> ws(bytes);
+  expect_rejected(triattn::cuda::plan_round(ws.get(), bytes, dev.batch(), scorer, cfg.round, {budgets.get()}, plan,
+                                            status.get(), nullptr),
+                  "round_starts is null");
   std::size_t small = 1;
   device_buffer<std::byte> one(1);
   cfg = {};
@@ -283,14 +308,8 @@ void streaming_case(const triattn_test::cache_shape& shape, int batch, std::int6
   caches.reserve(static_cast<std::size_t>(batch));
   for (int b = 0; b < batch; ++b) caches.emplace_back(shape, g);
   const device_batch<V> dev(caches);
-  const std::size_t rows = static_cast<std::size_t>(batch) * shape.num_layers * shape.num_kv_heads;
-  device_buffer<std::int32_t> keep(rows * static_cast<std::size_t>(budget)), kept(rows);
-  device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
-  CUDA_REQUIRE(triattn::cuda::streaming_llm_plan(dev.batch(), triattn::streaming_llm_config{sinks, false}, budget,
-                                                 keep.get(), kept.get(), nullptr));
-  CUDA_REQUIRE(triattn::cuda::compact(dev.batch(), {keep.get(), kept.get(), budget}, {}, status.get(), nullptr));
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  const gpu_round gpu{keep.download(), kept.download(), status.download()[0]};
+  const gpu_round gpu = run_plan_round(dev, triattn::cuda::streaming_llm_scorer{sinks},
+                                       triattn::streaming_llm_config{}.round, nullptr, 0, budget);
   CHECK(gpu.status == 0);
   for (int b = 0; b < batch; ++b) {
     auto& c = caches[static_cast<std::size_t>(b)];
@@ -303,7 +322,7 @@ void streaming_case(const triattn_test::cache_shape& shape, int batch, std::int6
   }
 }
 
-TRIATTN_CUDA_TEST("streaming_llm_plan + compact equal the CPU's round") {
+TRIATTN_CUDA_TEST("plan_round(streaming_llm_scorer) + compact equal the CPU's round") {
   auto g = triattn_test::rng(15);
   for (const cache_layout layout : triattn_test::all_layouts)
     for (const triattn::dtype type : triattn_test::all_dtypes)

@@ -18,7 +18,9 @@
 #include "cuda/reference_window.hpp"
 #include "support/random.hpp"
 #include "support/views.hpp"
-#include "triattn/cuda/window.cuh"
+#include "triattn/cuda/round.cuh"
+#include "triattn/cuda/rkv.cuh"
+#include "triattn/cuda/snapkv.cuh"
 
 namespace {
 
@@ -87,17 +89,26 @@ cudaError_t score_call(void* ws, std::size_t& bytes, const triattn::cuda::view_b
                        std::int32_t* status) {
   return triattn::cuda::rkv_score(ws, bytes, batch, q, c, scores, status, nullptr);
 }
+/// A per-layer round of SnapKV or R-KV (the policy's device scorer in `plan_round`), every
+/// sequence cut to `budget`. The budgets' buffer is freed on return, which waits for the launch.
+template <class Scorer, class V>
+cudaError_t plan_with(const Scorer& scorer, void* ws, std::size_t& bytes, const triattn::cuda::view_batch<V>& batch,
+                      std::int32_t budget, std::int32_t* keep, std::int32_t* kept, std::int32_t* status) {
+  const device_buffer<std::int32_t> budgets(std::vector<std::int32_t>(static_cast<std::size_t>(batch.size), budget));
+  return triattn::cuda::plan_round(ws, bytes, batch, scorer, triattn::round_options{}, {budgets.get()},
+                                   {keep, kept, budget}, status, nullptr);
+}
 template <class V>
 cudaError_t plan_call(void* ws, std::size_t& bytes, const triattn::cuda::view_batch<V>& batch,
                       const triattn::cuda::window_query_batch& q, const snapkv_config& c, std::int32_t budget,
                       std::int32_t* keep, std::int32_t* kept, std::int32_t* status) {
-  return triattn::cuda::snapkv_plan(ws, bytes, batch, q, c, budget, keep, kept, status, nullptr);
+  return plan_with(triattn::cuda::snapkv_scorer{c, q}, ws, bytes, batch, budget, keep, kept, status);
 }
 template <class V>
 cudaError_t plan_call(void* ws, std::size_t& bytes, const triattn::cuda::view_batch<V>& batch,
                       const triattn::cuda::window_query_batch& q, const rkv_config& c, std::int32_t budget,
                       std::int32_t* keep, std::int32_t* kept, std::int32_t* status) {
-  return triattn::cuda::rkv_plan(ws, bytes, batch, q, c, budget, keep, kept, status, nullptr);
+  return plan_with(triattn::cuda::rkv_scorer{c, q}, ws, bytes, batch, budget, keep, kept, status);
 }
 
 /// What the GPU returned for a case: scores [batch, layers, kv_heads, capacity] (pre-filled
@@ -248,7 +259,7 @@ std::int32_t trial_budget(std::mt19937_64& g, int t, std::int64_t capacity) {
   return static_cast<std::int32_t>(capacity + 1);
 }
 
-TRIATTN_CUDA_TEST("snapkv_score and snapkv_plan match the oracle on every layout, dtype and GQA group") {
+TRIATTN_CUDA_TEST("snapkv_score and plan_round(snapkv_scorer) match the oracle on every layout, dtype and GQA group") {
   auto g = triattn_test::rng(41);
   tally t;
   for (int trial = 0; trial < 72; ++trial) {
@@ -272,7 +283,7 @@ TRIATTN_CUDA_TEST("snapkv_score and snapkv_plan match the oracle on every layout
   CHECK(t.keeps_exact > 100);
 }
 
-TRIATTN_CUDA_TEST("rkv_score and rkv_plan match the oracle on every layout, dtype and GQA group") {
+TRIATTN_CUDA_TEST("rkv_score and plan_round(rkv_scorer) match the oracle on every layout, dtype and GQA group") {
   auto g = triattn_test::rng(42);
   tally t;
   for (int trial = 0; trial < 72; ++trial) {
@@ -389,10 +400,16 @@ TRIATTN_CUDA_TEST("bad host arguments return cudaErrorInvalidValue naming the va
   rkv_config bad_lambda;
   bad_lambda.lambda = 2.0f;
   expect_error(triattn::cuda::rkv_score(nullptr, bytes, batch, rows, bad_lambda, nullptr, nullptr, nullptr),
-               "lambda 2");
-  expect_error(triattn::cuda::rkv_plan(nullptr, bytes, batch, rows, rkv_config{}, 0, nullptr, nullptr, nullptr,
-                                       nullptr),
-               "budget 0");
+               "lambda 2 must be in [0, 1]");
+  expect_error(triattn::cuda::plan_round(nullptr, bytes, batch, triattn::cuda::rkv_scorer{rkv_config{}, rows},
+                                         triattn::round_options{}, {}, {nullptr, nullptr, 0}, nullptr, nullptr),
+               "stride 0");
+  batch.geometry.keys = triattn::key_state::pre_rope;
+  expect_error(triattn::cuda::snapkv_score(nullptr, bytes, batch, rows, snapkv_config{}, nullptr, nullptr, nullptr),
+               "SnapKV on the GPU needs post-RoPE keys: the batch's key_state is pre_rope");
+  expect_error(triattn::cuda::rkv_score(nullptr, bytes, batch, rows, rkv_config{}, nullptr, nullptr, nullptr),
+               "R-KV on the GPU needs post-RoPE keys");
+  batch.geometry.keys = triattn::key_state::post_rope;
   std::size_t small = 1;
   void* not_null = reinterpret_cast<void*>(std::uintptr_t{256});
   expect_error(triattn::cuda::rkv_score(not_null, small, batch, rows, rkv_config{}, nullptr, nullptr, nullptr),

@@ -10,6 +10,8 @@
 #include "support/views.hpp"
 #include "triattn/calibration/query_stats.hpp"
 #include "triattn/core/compaction.hpp"
+#include "triattn/core/granularity.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/triattention.hpp"
 
@@ -29,15 +31,26 @@ void compact(triattn_test::test_cache& cache, const keep_rows& keep, std::span<c
 std::vector<float> triattention_scores(triattn_test::test_cache& cache, const triattn::query_stats& stats,
                                        const triattn::triattention_config& config, std::int64_t round_start);
 
-/// triattn::triattention::plan's rows, with `set_position(round_start)`.
+/// triattn::triattention::plan's rows for the round at `round_start` after a prompt of
+/// `prompt_length` tokens (granularity `per_layer` or `per_kv_head`).
 keep_rows triattention_plan(triattn_test::test_cache& cache, const triattn::query_stats& stats,
-                            const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget);
+                            const triattn::triattention_config& config, std::int64_t round_start,
+                            std::int64_t prompt_length, std::int64_t budget);
 
 /// The smallest score gap at a cut of the double-precision oracle's decision for the same round
 /// (tests/support/triattention_reference.hpp), relative to the largest |raw score| when the
 /// rows are not z-scored: keep sets of two fp32 scorers may only differ below this.
 double triattention_margin(triattn_test::test_cache& cache, const triattn::query_stats& stats,
-                           const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget);
+                           const triattn::triattention_config& config, std::int64_t round_start,
+                           std::int64_t prompt_length, std::int64_t budget);
+
+/// The round pipeline's decision (core/round.hpp's steps 2-4) for one sequence from its row
+/// scores `scores` [layers, kv_heads, capacity] (the floats the device scorer wrote): per
+/// decision of `options.grain`, the rows folded in row order with `fold_row_score`, the
+/// protection and keep count of `rule` plus the prompt, then `triattn::select_keep`; one keep
+/// row per (layer, kv_head). Rows of a shared decision must hold the same slots.
+keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const triattn::round_options& options,
+                     const triattn::row_rule& rule, std::int64_t prompt_length);
 
 /// triattn::streaming_llm::plan's rows.
 keep_rows streaming_plan(triattn_test::test_cache& cache, std::int64_t sinks, std::int64_t budget);

@@ -1,5 +1,5 @@
-// CPU references of the selection, compaction, TriAttention and StreamingLLM kernels: the
-// library's own CPU path (host C++ only).
+// CPU references of the selection, compaction, round pipeline, TriAttention and StreamingLLM
+// kernels: the library's own CPU path (host C++ only).
 #include "cuda/reference.hpp"
 
 #include <algorithm>
@@ -46,14 +46,16 @@ std::vector<float> triattention_scores(triattn_test::test_cache& cache, const tr
 }
 
 keep_rows triattention_plan(triattn_test::test_cache& cache, const triattn::query_stats& stats,
-                            const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget) {
-  triattn::triattention policy(stats, config);
-  policy.set_position(round_start);
-  return cache.with_view([&](auto view) { return rows_of(policy.plan(view, budget)); });
+                            const triattn::triattention_config& config, std::int64_t round_start,
+                            std::int64_t prompt_length, std::int64_t budget) {
+  const triattn::triattention policy(stats, config);
+  const triattn::round_context ctx{round_start, prompt_length};
+  return cache.with_view([&](auto view) { return rows_of(policy.plan(view, budget, ctx)); });
 }
 
 double triattention_margin(triattn_test::test_cache& cache, const triattn::query_stats& stats,
-                           const triattn::triattention_config& config, std::int64_t round_start, std::int64_t budget) {
+                           const triattn::triattention_config& config, std::int64_t round_start,
+                           std::int64_t prompt_length, std::int64_t budget) {
   namespace ref = triattn_test::ref;
   ref::tri_score_options so = ref::tri_options_for(cache);
   so.offset_max = config.offset_max;
@@ -63,7 +65,7 @@ double triattention_margin(triattn_test::test_cache& cache, const triattn::query
   o.group_max = config.gqa_reduction == triattn::triattention_gqa_reduction::max;
   o.normalize = config.normalize;
   o.window = config.window;
-  o.prompt_length = config.protect_prompt ? config.prompt_length : 0;
+  o.prompt_length = config.round.protect_prompt ? prompt_length : 0;
   const auto raw = ref::tri_cache_scores(cache, stats, round_start, so);
   double scale = 0.0, margin = std::numeric_limits<double>::infinity();
   for (const auto& layer : raw)
@@ -77,12 +79,51 @@ double triattention_margin(triattn_test::test_cache& cache, const triattn::query
   };
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < H; ++h) {
-      const ref::tri_keep k = config.granularity == triattn::triattention_granularity::per_layer_kv_head
+      const ref::tri_keep k = config.round.grain == triattn::granularity::per_layer
                                   ? ref::tri_select_per_layer(raw, l, h, G, positions(l, h), budget, o)
                                   : ref::tri_select_per_kv_head(raw, h, G, positions(0, h), budget, o);
       margin = std::min(margin, k.margin);
     }
   return config.normalize ? margin : margin / std::max(scale, 1e-30);
+}
+
+keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const triattn::round_options& options,
+                     const triattn::row_rule& rule, std::int64_t prompt_length) {
+  const triattn::kv_geometry g = cache.geometry();
+  const std::int64_t cap = cache.shape().capacity;
+  const triattn::decision_map map{options.grain, g.num_layers, g.num_kv_heads};
+  const bool beyond = options.budget == triattn::budget_mode::beyond_prompt;
+  triattn::protection prot = rule.prot;
+  prot.prompt_length = options.protect_prompt || beyond ? prompt_length : 0;
+  const float weight = triattn::row_fold_weight(map.rows());
+  std::vector<std::vector<std::int32_t>> decided;
+  for (int d = 0; d < map.decisions(); ++d) {
+    int l0, h0;
+    map.row(d, 0, l0, h0);
+    const std::int32_t n = cache.length(l0, h0);
+    std::vector<std::int32_t> positions;
+    std::int64_t prompt_slots = 0;
+    for (std::int32_t s = 0; s < n; ++s) {
+      positions.push_back(cache.position(l0, h0, s));
+      prompt_slots += positions.back() < prompt_length ? 1 : 0;
+    }
+    std::vector<float> acc(static_cast<std::size_t>(n), triattn::row_fold_start(options.reduction));
+    for (int r = 0; r < map.rows(); ++r) {
+      int l, h;
+      map.row(d, r, l, h);
+      const float* row = scores + (static_cast<std::int64_t>(l) * g.num_kv_heads + h) * cap;
+      for (std::int32_t s = 0; s < n; ++s) {
+        float& a = acc[static_cast<std::size_t>(s)];
+        a = triattn::fold_row_score(a, row[s], options.reduction, weight);
+      }
+    }
+    const std::int64_t k = rule.keep + (beyond ? prompt_slots : 0);
+    decided.push_back(k <= 0 ? std::vector<std::int32_t>{} : triattn::select_keep(acc, positions, prot, k));
+  }
+  keep_rows out;
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h) out.push_back(decided[static_cast<std::size_t>(map.decision_of(l, h))]);
+  return out;
 }
 
 keep_rows streaming_plan(triattn_test::test_cache& cache, std::int64_t sinks, std::int64_t budget) {

@@ -3,13 +3,17 @@
 //   the model README's formulas (models/stories260K/README.md), on the same windows and
 //   positions, within 1e-4;
 // - two runs (on 1 and on 2 threads) give byte-identical quality.csv files;
-// - the `--quick` smoke run writes a finite row for every policy x budget.
+// - the `--quick` smoke run writes a finite row for every policy x budget, the policies being
+//   those `triattn_eval --list-policies` names (the roster's, llama2c::policy_registry, in its
+//   order, after `full` and the references).
 // The TriAttention stats come from llama2c::calibrate on 4 train windows (never the eval text).
 #include <catch2/catch.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +30,7 @@
 
 #include "llama2c/calibration.hpp"
 #include "llama2c/llama2c.hpp"
+#include "llama2c/policies.hpp"
 #include "support/data.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
@@ -89,6 +94,19 @@ int run_eval(const scratch& dir, const fs::path& out, const std::string& args) {
   INFO(read_text(dir.path / "stderr.txt"));
   CHECK(code == 0);
   return code;
+}
+
+/// `triattn_eval --list-policies`: the names, one a line.
+std::vector<std::string> listed_policies(const scratch& dir) {
+  const fs::path out = dir.path / "policies.txt";
+  const std::string cmd = quote(TRIATTN_TEST_EVAL) + " --list-policies > " + quote(out.string());
+  const int status = std::system(cmd.c_str());
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  std::istringstream in(read_text(out));
+  std::vector<std::string> names;
+  for (std::string line; std::getline(in, line);) names.push_back(line);
+  return names;
 }
 
 /// quality.csv as rows of named fields.
@@ -289,22 +307,15 @@ TEST_CASE("triattn_eval --quick: a finite row for every policy x budget") {
   scratch dir;
   REQUIRE(run_eval(dir, dir.path / "q", "--quick") == 0);
   const auto rows = read_csv(dir.path / "q/quality.csv");
-  const std::vector<std::string> policies{"full",
-                                          "random",
-                                          "window",
-                                          "streaming_llm",
-                                          "h2o",
-                                          "snapkv",
-                                          "vatp",
-                                          "rkv",
-                                          "triattention",
-                                          "triattention_o128",
-                                          "triattention_per_layer",
-                                          "triattention_per_layer_o512",
-                                          "triattention_per_layer_o128",
-                                          "triattention_per_layer_o16",
-                                          "triattention_per_layer_o128_w8",
-                                          "triattention_seed"};
+  const std::vector<std::string> policies = listed_policies(dir);
+  // The program's list: `full`, the references, then the roster's policies in its order, then variants.
+  std::vector<std::string> expected_start{std::string(llama2c::full_name), "random", "window"};
+  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+    if (e.compresses()) expected_start.emplace_back(e.name);
+  REQUIRE(policies.size() > expected_start.size());
+  CHECK(std::vector<std::string>(policies.begin(), policies.begin() + static_cast<std::ptrdiff_t>(expected_start.size())) ==
+        expected_start);
+  CHECK(std::find(policies.begin(), policies.end(), "triattention_seed") != policies.end());
   const std::vector<std::string> contract{"policy", "budget", "nll", "ppl", "kl", "top1", "kv_bytes", "gen_prefix"};
   const std::string header = read_text(dir.path / "q/quality.csv");
   CHECK(header.starts_with("policy,budget,nll,ppl,kl,top1,kv_bytes,gen_prefix"));

@@ -238,8 +238,9 @@ TEST_CASE("StreamingLLM keeps sinks + recent slots and the logits before the fir
   const std::vector<int> tokens = random_window_tokens(1, steps);
   const llama2c::config& c = stories().config();
 
-  llama2c::any_policy policy = *llama2c::find_policy("streaming_llm")->create();
   const auto sched = triattn::schedule::with_slack(slack);
+  llama2c::any_policy policy = *llama2c::find_policy(triattn::streaming_llm::name)->create({nullptr, sched});
+  CHECK(policy.name() == triattn::streaming_llm::name);
   llama2c::session full(stories(), steps);
   llama2c::session compressed(stories(), budget + slack);
 
@@ -256,7 +257,7 @@ TEST_CASE("StreamingLLM keeps sinks + recent slots and the logits before the fir
     } else {
       diverged = diverged || !bitwise_equal(logits, full_logits);
     }
-    const bool ran = triattn::maybe_compress(policy, compressed.view(), budget, sched, compressed.position());
+    const bool ran = triattn::maybe_compress(policy, compressed.view(), budget, {compressed.position(), 0});
     const bool due = static_cast<std::int64_t>(expected.size()) >= budget + slack;
     REQUIRE(ran == due);
     if (due) {

@@ -67,7 +67,7 @@ triattn::h2o_config random_config(std::mt19937_64& g, std::int64_t capacity) {
   cfg.sinks = coin(g) ? sinks(g) : 0;
   cfg.gqa = all_aggregations[agg(g)];
   cfg.normalize = coin(g) != 0;
-  cfg.sched = coin(g) ? triattn::schedule::every_step() : triattn::schedule::aligned_to(3);
+  cfg.round.sched = coin(g) ? triattn::schedule::every_step() : triattn::schedule::aligned_to(3);
   return cfg;
 }
 
@@ -84,7 +84,7 @@ TEST_CASE("H2O defaults and budget splits") {
   CHECK_FALSE(d.normalize);
   CHECK(d.prompt == triattn::prompt_scoring::every_row);
   CHECK(d.scissorhands_window == 400);
-  CHECK(d.sched.kind == triattn::trigger::every_step);
+  CHECK(d.round.sched.kind == triattn::trigger::every_step);
 
   triattn::h2o p;
   for (std::int64_t b = 1; b <= 40; ++b) {  // cli.md: recent = B/2, heavy = B - B/2
@@ -117,15 +117,15 @@ TEST_CASE("H2O defaults and budget splits") {
       masked.split(100);
       FAIL("a ratio budget without a prompt length was accepted");
     } catch (const triattn::error& e) {
-      CHECK_THAT(e.what(), Catch::Contains("triattn::h2o::split") && Catch::Contains("set_prompt_length"));
+      CHECK_THAT(e.what(), Catch::Contains("triattn::h2o::split") && Catch::Contains("round_context::prompt_length"));
     }
-    masked.set_prompt_length(1000);
-    CHECK(masked.split(1 << 20).heavy == 100);
-    CHECK(masked.split(1 << 20).recent == 100);
-    CHECK(masked.split(150).recent == 100);  // the budget caps recent first, then heavy
-    CHECK(masked.split(150).heavy == 50);
-    masked.set_prompt_length(7);  // int(0.7): nothing
-    CHECK(masked.split(10).total() == 0);
+    masked.set_prompt_length(1000);  // observation only: a split still needs its prompt length
+    CHECK_THROWS_WITH(masked.split(100), Catch::Contains("round_context::prompt_length"));
+    CHECK(masked.split(1 << 20, 1000).heavy == 100);
+    CHECK(masked.split(1 << 20, 1000).recent == 100);
+    CHECK(masked.split(150, 1000).recent == 100);  // the budget caps recent first, then heavy
+    CHECK(masked.split(150, 1000).heavy == 50);
+    CHECK(masked.split(10, 7).total() == 0);  // int(0.7): nothing
     for (int i = 0; i < 100; ++i) {
       std::uniform_real_distribution<double> ratio(0.0, 1.0);
       triattn::h2o_config cfg = triattn::h2o_config::masking_reference(ratio(g));
@@ -133,10 +133,9 @@ TEST_CASE("H2O defaults and budget splits") {
       const std::int64_t prompt = std::uniform_int_distribution<std::int64_t>(1, 5000)(g);
       const std::int64_t budget = std::uniform_int_distribution<std::int64_t>(1, 6000)(g);
       triattn::h2o policy(cfg);
-      policy.set_prompt_length(prompt);
       const auto want = ref::split_for(cfg, budget, prompt);
-      CHECK(policy.split(budget).heavy == want.heavy);
-      CHECK(policy.split(budget).recent == want.recent);
+      CHECK(policy.split(budget, prompt).heavy == want.heavy);
+      CHECK(policy.split(budget, prompt).recent == want.recent);
     }
   }
 }
@@ -185,7 +184,7 @@ TEST_CASE("H2O Scissorhands prompt scoring weighs only the prompt's last rows") 
       policy.set_prompt_length(prompt);
       attention_run<triattn::h2o> run(c, policy, triattn_test::setup_for(cfg, false, prompt), g);
       run.causal_prefill();
-      run.decode(cfg.sched, budget, ref::split_for(cfg, budget, prompt), 8);
+      run.decode(cfg.round.sched, budget, ref::split_for(cfg, budget, prompt), 8);
     }
   }
 }
@@ -217,7 +216,7 @@ TEST_CASE("H2O ties go to the lower slot") {
     INFO(c.shape().describe() << " budget " << budget);
     attention_run<triattn::h2o> run(c, policy, triattn_test::setup_for(cfg, false, 0), g);
     // Probabilities of 1/256 or 2/256 only: slots tie all the time, and the sums are exact.
-    run.simulate(cfg.sched, budget, ref::split_for(cfg, budget, 0), 6, i % 2 + 1);
+    run.simulate(cfg.round.sched, budget, ref::split_for(cfg, budget, 0), 6, i % 2 + 1);
   }
 }
 
@@ -258,7 +257,7 @@ TEST_CASE("H2O budgets as fractions of the prompt length") {
     const std::int64_t budget = c.shape().capacity - 1;  // the fractions decide, the budget only caps
     INFO(c.shape().describe() << " ratio " << *cfg.heavy_ratio << " prompt " << prompt);
     attention_run<triattn::h2o> run(c, policy, triattn_test::setup_for(cfg, false, prompt), g);
-    run.simulate(cfg.sched, budget, ref::split_for(cfg, budget, prompt), 8);
+    run.simulate(cfg.round.sched, budget, ref::split_for(cfg, budget, prompt), 8);
   }
 }
 
@@ -319,7 +318,7 @@ TEST_CASE("H2O rejects bad input and leaves the cache and its state untouched") 
         const std::vector<float> row(static_cast<std::size_t>(c.length(0, 0)), 0.25f);
         if (mode == 0) {  // no attach
           throws_with([&] { policy.observe(0, 0, 0, {}, row); }, {"triattn::h2o::observe", "attach"});
-          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"triattn::h2o::plan", "attach"});
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"triattn::compress", "attach"});
           return;
         }
         policy.attach(v);
@@ -356,12 +355,13 @@ TEST_CASE("H2O rejects bad input and leaves the cache and its state untouched") 
           triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"heavy -5"});
           policy.config.heavy.reset();
           policy.config.heavy_ratio = 0.5;
-          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); }, {"heavy_ratio 0.5", "set_prompt_length"});
+          triattn_test::check_rejected(c, [&] { policy.compress(v, 1); },
+                                       {"triattn::compress", "heavy_ratio 0.5", "round_context::prompt_length"});
           policy.config.heavy_ratio.reset();
         } else {  // the state and the view disagree
           c.length(0, 0) -= 1;  // the observed row is now longer than the cache
           triattn_test::check_rejected(c, [&] { policy.compress(v, 1); },
-                                        {"triattn::h2o::plan", "layer 0 kv_head 0", "has observed attention"});
+                                        {"triattn::compress", "layer 0 kv_head 0", "has observed attention"});
           c.length(0, 0) += 1;
           triattn_test::cache_shape other = c.shape();
           other.capacity += 1;

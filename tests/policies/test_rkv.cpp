@@ -225,8 +225,9 @@ TEST_CASE("R-KV presets") {
   CHECK(paper.kernel == 7);
   CHECK(paper.lambda == 0.1f);
   CHECK(paper.threshold == 0.5f);
-  CHECK(paper.sched.kind == triattn::trigger::slack);
-  CHECK(paper.sched.slack == 128);
+  CHECK(paper.round.grain == triattn::granularity::per_layer);
+  CHECK(paper.round.sched.kind == triattn::trigger::slack);
+  CHECK(paper.round.sched.slack == 128);
   CHECK(rkv_config::reference_code().lambda == 0.07f);
   CHECK(triattn::rkv().config.lambda == 0.1f);
 }
@@ -269,12 +270,12 @@ TEST_CASE("R-KV rejects bad input and leaves the cache untouched") {
   }
   SECTION("non-finite keys, no observed query, a bad budget, a wrong output size") {
     policy.attach(view);
-    triattn_test::check_rejected(c, [&] { policy.compress(view, 10); }, {"triattn::rkv::plan", "no observed query"});
+    triattn_test::check_rejected(c, [&] { policy.compress(view, 10); }, {"triattn::compress", "no observed query"});
     const auto wq = window_queries::random(g, c, policy.config.window);
     wq.feed(policy, view);
     c.store_key(0, s.num_kv_heads - 1, 2, {std::numeric_limits<double>::quiet_NaN(), 0.0, 0.0, 0.0});
     triattn_test::check_rejected(c, [&] { policy.compress(view, 10); },
-                                 {"triattn::rkv::plan", "kv_head " + std::to_string(s.num_kv_heads - 1) + " slot 2",
+                                 {"triattn::compress", "kv_head " + std::to_string(s.num_kv_heads - 1) + " slot 2",
                                   "keys must be finite"});
     c.store_key(0, s.num_kv_heads - 1, 2, {1.0, 0.0, 0.0, 0.0});
     triattn_test::check_rejected(c, [&] { (void)policy.plan(view, 0); }, {"triattn::rkv::plan", "budget 0"});

@@ -258,24 +258,28 @@ TEST_CASE("SnapKV presets and triggers") {
   CHECK(paper.pool == triattn::pooling::max);
   CHECK(paper.grouping == snapkv_grouping::aggregate);
   CHECK(paper.gqa == triattn::gqa_aggregation::mean);
-  CHECK(paper.trigger == triattn::snapkv_trigger::once_after_prefill);
+  CHECK(paper.round.grain == triattn::granularity::per_layer);
+  CHECK(paper.round.sched.kind == triattn::trigger::once_after_prompt);
   const auto decode = snapkv_config::decode();
   CHECK(decode.window == 8);
   CHECK(decode.kernel == 7);
   CHECK(decode.pool == triattn::pooling::max);
-  CHECK(decode.trigger == triattn::snapkv_trigger::every);
-  CHECK(decode.sched.kind == triattn::trigger::slack);
-  CHECK(decode.sched.slack == 128);
+  CHECK(decode.round.sched.kind == triattn::trigger::slack);
+  CHECK(decode.round.sched.slack == 128);
 
+  // the policy's schedule: what maybe_compress asks
   const triattn::snapkv once;
-  CHECK(once.should_compress(600, 512, 600, 600));        // right after a prompt longer than the budget
-  CHECK_FALSE(once.should_compress(400, 512, 400, 400));  // the prompt fits
-  CHECK_FALSE(once.should_compress(700, 512, 700, 600));  // decode: never again
+  const auto& o = once.round().sched;
+  CHECK(o.should_compress(600, 512, 600, 600));        // right after a prompt longer than the budget
+  CHECK_FALSE(o.should_compress(400, 512, 400, 400));  // the prompt fits
+  CHECK_FALSE(o.should_compress(700, 512, 700, 600));  // decode: never again
+  CHECK_FALSE(o.should_compress(600, 512, 599, 600));  // not yet
   const triattn::snapkv every(decode);
-  CHECK_FALSE(every.should_compress(639, 512, 5000, 100));
-  CHECK(every.should_compress(640, 512, 5000, 100));  // budget + 128
-  CHECK_THROWS_WITH(every.should_compress(640, 0, 5000, 100),
-                    Catch::Contains("triattn::snapkv::should_compress") && Catch::Contains("budget 0"));
+  const auto& e = every.round().sched;
+  CHECK_FALSE(e.should_compress(639, 512, 5000, 100));
+  CHECK(e.should_compress(640, 512, 5000, 100));  // budget + 128
+  CHECK_THROWS_WITH(e.should_compress(640, 0, 5000, 100),
+                    Catch::Contains("triattn::schedule::should_compress") && Catch::Contains("budget 0"));
 }
 
 TEST_CASE("SnapKV rejects bad input and leaves the cache untouched") {
@@ -325,19 +329,19 @@ TEST_CASE("SnapKV rejects bad input and leaves the cache untouched") {
   SECTION("scoring with no observed query, or q-heads of a group that saw different tokens") {
     policy.attach(view);
     triattn_test::check_rejected(c, [&] { policy.compress(view, 8); },
-                                 {"triattn::snapkv::plan", "no observed query"});
+                                 {"triattn::compress", "no observed query"});
     for (int l = 0; l < s.num_layers; ++l)
       for (int h = 0; h < s.num_kv_heads * 2; ++h) policy.observe(l, h, 30, q, {});
     policy.observe(0, 1, 31, q, {});  // q-head 1 is one token ahead of q-head 0
     triattn_test::check_rejected(c, [&] { policy.compress(view, 8); },
-                                 {"triattn::snapkv::plan", "q_head 1 holds 2 observed queries but q_head 0 holds 1"});
+                                 {"triattn::compress", "q_head 1 holds 2 observed queries but q_head 0 holds 1"});
   }
   SECTION("non-finite keys, a bad budget, a view it was not attached to, a changed window, a wrong output size") {
     const auto wq = window_queries::random(g, c, cfg.window);
     wq.feed(policy, view);
     c.store_key(1 % s.num_layers, 0, 7, {0.0, std::numeric_limits<double>::infinity(), 0.0, 0.0});
     triattn_test::check_rejected(c, [&] { policy.compress(view, 8); },
-                                 {"triattn::snapkv::plan", "kv_head 0 slot 7", "inf at dim 1", "keys must be finite"});
+                                 {"triattn::compress", "kv_head 0 slot 7", "inf at dim 1", "keys must be finite"});
     c.store_key(1 % s.num_layers, 0, 7, std::vector<double>(4, 1.0));
     triattn_test::check_rejected(c, [&] { policy.compress(view, 0); }, {"budget 0"});
     triattn_test::check_rejected(c, [&] { (void)policy.plan(view, -3); }, {"triattn::snapkv::plan", "budget -3"});
@@ -346,10 +350,10 @@ TEST_CASE("SnapKV rejects bad input and leaves the cache untouched") {
     other.head_dim = 6;
     test_cache d(other, g);
     triattn_test::check_rejected(d, [&] { policy.compress(d.paged_view(), 4); },
-                                 {"triattn::snapkv::plan", "head_dim 6", "call attach(view) first"});
+                                 {"triattn::compress", "head_dim 6", "call attach(view) first"});
     policy.config.window = 5;
     triattn_test::check_rejected(c, [&] { policy.compress(view, 8); },
-                                 {"triattn::snapkv::plan", "window 5 differs from the window 3"});
+                                 {"triattn::compress", "window 5 differs from the window 3"});
     policy.config.window = 3;
     std::vector<float> out(7);
     CHECK_THROWS_WITH(policy.score(view, out), Catch::Contains("triattn::snapkv::score") && Catch::Contains("output holds 7"));

@@ -209,7 +209,9 @@ TEST_CASE("StreamingLLM through maybe_compress fires when the schedule says so")
     const std::int64_t budget = 6, sinks = 2;
     const auto sched = triattn::schedule::with_slack(4);  // fires at >= 10 tokens
     INFO(shape.describe());
-    triattn::streaming_llm policy({sinks, false});
+    triattn::streaming_llm_config cfg{sinks, false};
+    cfg.round.sched = sched;  // maybe_compress reads the policy's schedule
+    triattn::streaming_llm policy(cfg);
     std::uniform_int_distribution<std::int32_t> below(0, 9);
     for (auto& n : c.lengths) n = below(g);
     c.lengths.front() = 9;
@@ -217,7 +219,7 @@ TEST_CASE("StreamingLLM through maybe_compress fires when the schedule says so")
     const auto before = c.snapshot();
     std::vector<std::int32_t> freed = {-42};  // freed pages are appended, never assigned
     const bool fired_early =
-        c.with_view([&](const auto& v) { return triattn::maybe_compress(policy, v, budget, sched, 500, &freed); });
+        c.with_view([&](const auto& v) { return triattn::maybe_compress(policy, v, budget, {.position = 500}, &freed); });
     CHECK_FALSE(fired_early);
     CHECK(c.snapshot() == before);
     CHECK(freed == std::vector<std::int32_t>{-42});
@@ -225,7 +227,7 @@ TEST_CASE("StreamingLLM through maybe_compress fires when the schedule says so")
     c.lengths.back() = 10;  // the longest (layer, kv_head) decides
     const expected_round e(c, budget, sinks);
     const bool fired =
-        c.with_view([&](const auto& v) { return triattn::maybe_compress(policy, v, budget, sched, 501, &freed); });
+        c.with_view([&](const auto& v) { return triattn::maybe_compress(policy, v, budget, {.position = 501}, &freed); });
     CHECK(fired);
     for_each_survivor(c, e, [&](int l, int h, std::int64_t i, std::int32_t, const slot_contents& want) {
       REQUIRE(c.slot(l, h, i) == want);

@@ -24,7 +24,7 @@
 
 namespace {
 
-using triattn::triattention_granularity;
+using triattn::granularity;
 using triattn_test::cache_layout;
 using triattn_test::slot_contents;
 using triattn_test::test_cache;
@@ -32,8 +32,8 @@ namespace ref = triattn_test::ref;
 using index_list = std::vector<std::int32_t>;
 
 /// A random cache whose rows share slots as `gran` requires: every layer holds the slots of
-/// layer 0 (per_kv_head), or every (layer, kv_head) those of (0, 0) (global_union).
-test_cache make_cache(std::mt19937_64& g, cache_layout layout, int group, triattention_granularity gran,
+/// layer 0 (per_kv_head), or every (layer, kv_head) those of (0, 0) (whole_sequence, "union").
+test_cache make_cache(std::mt19937_64& g, cache_layout layout, int group, granularity gran,
                       triattn::dtype type = triattn::dtype::f32, int min_layers = 1, std::int32_t min_length = 1) {
   const int page = std::uniform_int_distribution<int>(1, 5)(g);
   const triattn_test::cache_shape s = triattn_test::random_shape(
@@ -41,10 +41,10 @@ test_cache make_cache(std::mt19937_64& g, cache_layout layout, int group, triatt
   test_cache c(s, g);
   std::uniform_int_distribution<std::int32_t> len(min_length, static_cast<std::int32_t>(s.capacity));
   for (auto& n : c.lengths) n = len(g);
-  if (gran != triattention_granularity::per_layer_kv_head)
+  if (gran != granularity::per_layer)
     for (int l = 0; l < s.num_layers; ++l)
       for (int h = 0; h < s.num_kv_heads; ++h) {
-        const int rh = gran == triattention_granularity::global_union ? 0 : h;
+        const int rh = gran == granularity::whole_sequence ? 0 : h;
         c.length(l, h) = c.length(0, rh);
         for (std::int64_t i = 0; i < s.capacity; ++i) c.position(l, h, i) = c.position(0, rh, i);
       }
@@ -83,8 +83,10 @@ struct expectation {
   double scale = 0.0;  ///< largest |oracle score|, for margins of raw (not normalised) scores
 };
 
+/// Shared decisions under `whole_sequence` are the union selection: max reduction over rows
+/// that are GQA-max reduced (the seed preset), which is what `ref::tri_select_union` computes.
 expectation expect(test_cache& c, const triattn::query_stats& stats, std::int64_t r,
-                   const triattn::triattention_config& cfg, std::int64_t budget) {
+                   const triattn::triattention_config& cfg, std::int64_t budget, std::int64_t prompt_length = 0) {
   ref::tri_score_options so = ref::tri_options_for(c);
   so.offset_max = cfg.offset_max;
   so.use_max = cfg.aggregation == triattn::offset_aggregation::max;
@@ -92,7 +94,7 @@ expectation expect(test_cache& c, const triattn::query_stats& stats, std::int64_
   o.group_max = cfg.gqa_reduction == triattn::triattention_gqa_reduction::max;
   o.normalize = cfg.normalize;
   o.window = cfg.window;
-  o.prompt_length = cfg.protect_prompt ? cfg.prompt_length : 0;
+  o.prompt_length = cfg.round.protect_prompt ? prompt_length : 0;
   const auto raw = ref::tri_cache_scores(c, stats, r, so);
   const int L = c.shape().num_layers, H = c.shape().num_kv_heads, G = c.shape().group;
   expectation e;
@@ -105,14 +107,16 @@ expectation expect(test_cache& c, const triattn::query_stats& stats, std::int64_
   };
   for (int l = 0; l < L; ++l)
     for (int h = 0; h < H; ++h) {
-      switch (cfg.granularity) {
-        case triattention_granularity::per_kv_head:
+      switch (cfg.round.grain) {
+        case granularity::per_kv_head:
           add(ref::tri_select_per_kv_head(raw, h, G, row_positions(c, 0, h), budget, o));
           break;
-        case triattention_granularity::per_layer_kv_head:
+        case granularity::per_layer:
           add(ref::tri_select_per_layer(raw, l, h, G, row_positions(c, l, h), budget, o));
           break;
-        case triattention_granularity::global_union:
+        case granularity::whole_sequence:
+          REQUIRE(cfg.round.reduction == triattn::row_reduction::max);  // the union selection (see above)
+          REQUIRE(cfg.gqa_reduction == triattn::triattention_gqa_reduction::max);
           add(ref::tri_select_union(raw, row_positions(c, 0, 0), budget, o));
           break;
       }
@@ -128,21 +132,33 @@ bool decisive(const expectation& e, bool normalized) { return e.margin > (normal
 struct trial {
   triattn::triattention_config cfg;
   std::int64_t budget = 1;
-  std::optional<std::int64_t> round_start;  ///< set through set_position, else derived
+  std::optional<std::int64_t> round_start;  ///< given as round_context::position, else derived
+  std::int64_t prompt_length = 0;           ///< round_context::prompt_length
+  triattn::round_context context() const { return {round_start.value_or(-1), prompt_length}; }
 };
 
-trial random_trial(std::mt19937_64& g, test_cache& c, triattention_granularity gran) {
+/// `cfg` with the shared granularity `gran`: union selection (max over GQA-max rows) for
+/// `whole_sequence`, the paper's mean over layers for `per_kv_head`.
+void set_granularity(triattn::triattention_config& cfg, granularity gran) {
+  cfg.round.grain = gran;
+  if (gran == granularity::whole_sequence) {
+    cfg.round.reduction = triattn::row_reduction::max;
+    cfg.gqa_reduction = triattn::triattention_gqa_reduction::max;
+  }
+}
+
+trial random_trial(std::mt19937_64& g, test_cache& c, granularity gran) {
   trial t;
-  t.cfg.granularity = gran;
   std::uniform_int_distribution<int> coin(0, 1), window(0, 4), offsets(0, 2);
   t.cfg.gqa_reduction = coin(g) ? triattn::triattention_gqa_reduction::max : triattn::triattention_gqa_reduction::mean;
+  set_granularity(t.cfg, gran);
   t.cfg.window = window(g) < 2 ? 0 : window(g);
   const std::int64_t offset_max[] = {16, 128, 65536};
   t.cfg.offset_max = offset_max[offsets(g)];
-  t.cfg.protect_prompt = coin(g) != 0;
+  t.cfg.round.protect_prompt = coin(g) != 0;
   if (coin(g)) {  // the prompt ends at the position of a random slot of (0, 0)
     std::uniform_int_distribution<std::int32_t> slot(0, c.length(0, 0) - 1);
-    t.cfg.prompt_length = c.position(0, 0, slot(g));
+    t.prompt_length = c.position(0, 0, slot(g));
   }
   std::uniform_int_distribution<std::int64_t> budget(1, longest_row(c) + 2), later(1, 5000);
   t.budget = budget(g);
@@ -151,7 +167,7 @@ trial random_trial(std::mt19937_64& g, test_cache& c, triattention_granularity g
 }
 
 /// Runs random trials of `gran` on every layout, each through `compress`, against the oracle.
-void check_random_trials(triattention_granularity gran, std::uint64_t salt, bool seed_preset = false) {
+void check_random_trials(granularity gran, std::uint64_t salt, bool seed_preset = false) {
   auto g = triattn_test::rng(salt);
   int ran = 0, skipped = 0;
   for (int i = 0; i < 64; ++i) {
@@ -159,17 +175,12 @@ void check_random_trials(triattention_granularity gran, std::uint64_t salt, bool
     const int group = 1 << (i / 4 % 3);
     test_cache c = make_cache(g, layout, group, gran);
     trial t = random_trial(g, c, gran);
-    if (seed_preset) {
-      const bool prot = t.cfg.protect_prompt;
-      const auto prompt = t.cfg.prompt_length;
-      t.cfg = triattn::triattention_config::seed(!prot);
-      t.cfg.prompt_length = prompt;
-    }
+    if (seed_preset) t.cfg = triattn::triattention_config::seed(!t.cfg.round.protect_prompt);
     const auto stats = ref::tri_random_stats(g, c.geometry());
     const std::int64_t r = t.round_start.value_or(derived_round_start(c));
-    const expectation e = expect(c, stats, r, t.cfg, t.budget);
+    const expectation e = expect(c, stats, r, t.cfg, t.budget, t.prompt_length);
     INFO(c.shape().describe() << " budget " << t.budget << " r " << r << " window " << t.cfg.window << " prompt "
-                              << t.cfg.protect_prompt << "/" << t.cfg.prompt_length << " normalize " << t.cfg.normalize
+                              << t.cfg.round.protect_prompt << "/" << t.prompt_length << " normalize " << t.cfg.normalize
                               << " offset_max " << t.cfg.offset_max << " gqa_max "
                               << (t.cfg.gqa_reduction == triattn::triattention_gqa_reduction::max));
     if (!decisive(e, t.cfg.normalize)) {
@@ -178,10 +189,9 @@ void check_random_trials(triattention_granularity gran, std::uint64_t salt, bool
     }
     ++ran;
     triattn::triattention policy(stats, t.cfg);
-    if (t.round_start) policy.set_position(*t.round_start);
-    triattn_test::check_round(c, e.keep,
-                [&] { return c.with_view([&](const auto& v) { return policy.compress(v, t.budget); }).freed_pages; });
-    CHECK_FALSE(policy.next_position());  // a given round start serves one round only
+    triattn_test::check_round(c, e.keep, [&] {
+      return c.with_view([&](const auto& v) { return policy.compress(v, t.budget, t.context()); }).freed_pages;
+    });
   }
   INFO("trials skipped for near-ties: " << skipped);
   CHECK(skipped <= 16);
@@ -194,39 +204,43 @@ TEST_CASE("TriAttention presets") {
   const auto paper = triattn::triattention_config::paper();
   CHECK(paper.offset_max == 65536);
   CHECK(paper.aggregation == triattn::offset_aggregation::mean);
-  CHECK(paper.granularity == triattention_granularity::per_kv_head);
+  CHECK(paper.round.grain == granularity::per_kv_head);
+  CHECK(paper.round.reduction == triattn::row_reduction::mean);
+  CHECK(paper.round.budget == triattn::budget_mode::with_prompt);
   CHECK(paper.gqa_reduction == triattn::triattention_gqa_reduction::max);
   CHECK(paper.normalize);
   CHECK(paper.window == 0);
-  CHECK(paper.protect_prompt);
-  CHECK(paper.sched.kind == triattn::trigger::slack);
-  CHECK(paper.sched.slack == 128);
+  CHECK(paper.round.protect_prompt);
+  CHECK(paper.round.sched.kind == triattn::trigger::slack);
+  CHECK(paper.round.sched.slack == 128);
   const auto seed = triattn::triattention_config::seed();
-  CHECK(seed.granularity == triattention_granularity::global_union);
+  CHECK(seed.round.grain == granularity::whole_sequence);
+  CHECK(seed.round.reduction == triattn::row_reduction::max);
+  CHECK(seed.gqa_reduction == triattn::triattention_gqa_reduction::max);
   CHECK_FALSE(seed.normalize);
-  CHECK(seed.protect_prompt);
-  CHECK(seed.sched.kind == triattn::trigger::aligned);
-  CHECK(seed.sched.divide_length == 128);
-  CHECK_FALSE(triattn::triattention_config::seed(true).protect_prompt);
+  CHECK(seed.round.protect_prompt);
+  CHECK(seed.round.sched.kind == triattn::trigger::aligned);
+  CHECK(seed.round.sched.divide_length == 128);
+  CHECK_FALSE(triattn::triattention_config::seed(true).round.protect_prompt);
 }
 
 TEST_CASE("TriAttention paper path matches the oracle on every layout") {
-  check_random_trials(triattention_granularity::per_kv_head, 911);
+  check_random_trials(granularity::per_kv_head, 911);
 }
 
 TEST_CASE("TriAttention per-(layer, kv_head) decisions match the oracle") {
-  check_random_trials(triattention_granularity::per_layer_kv_head, 912);
+  check_random_trials(granularity::per_layer, 912);
 }
 
 TEST_CASE("TriAttention union selection matches the oracle") {
-  SECTION("z-scored rows") { check_random_trials(triattention_granularity::global_union, 913); }
-  SECTION("seed preset (raw rows)") { check_random_trials(triattention_granularity::global_union, 914, true); }
+  SECTION("z-scored rows") { check_random_trials(granularity::whole_sequence, 913); }
+  SECTION("seed preset (raw rows)") { check_random_trials(granularity::whole_sequence, 914, true); }
 }
 
 TEST_CASE("TriAttention ties go to the lower slot") {
   auto g = triattn_test::rng(915);
-  for (const auto gran : {triattention_granularity::per_kv_head, triattention_granularity::per_layer_kv_head,
-                          triattention_granularity::global_union}) {
+  for (const auto gran : {granularity::per_kv_head, granularity::per_layer,
+                          granularity::whole_sequence}) {
     for (int i = 0; i < 12; ++i) {
       test_cache c = make_cache(g, triattn_test::all_layouts[i % 4], 1 << (i % 3), gran);
       const int L = c.shape().num_layers, H = c.shape().num_kv_heads;
@@ -247,7 +261,7 @@ TEST_CASE("TriAttention ties go to the lower slot") {
       }
       const auto stats = ref::tri_random_stats(g, c.geometry());
       triattn::triattention_config cfg;
-      cfg.granularity = gran;
+      set_granularity(cfg, gran);
       std::uniform_int_distribution<std::int64_t> budget_of(1, longest_row(c));
       const std::int64_t budget = budget_of(g);
       const expectation e = expect(c, stats, derived_round_start(c), cfg, budget);
@@ -266,7 +280,7 @@ TEST_CASE("TriAttention ties go to the lower slot") {
 TEST_CASE("TriAttention budgets: >= length is a no-op, 1 keeps the best or the oldest protected slot") {
   auto g = triattn_test::rng(916);
   for (const auto layout : triattn_test::all_layouts) {
-    test_cache c = make_cache(g, layout, 2, triattention_granularity::per_kv_head, triattn::dtype::f16);
+    test_cache c = make_cache(g, layout, 2, granularity::per_kv_head, triattn::dtype::f16);
     const auto stats = ref::tri_random_stats(g, c.geometry());
     triattn::triattention policy(stats);
     const auto before = c.snapshot();
@@ -275,7 +289,7 @@ TEST_CASE("TriAttention budgets: >= length is a no-op, 1 keeps the best or the o
     CHECK(freed.freed_pages.empty());
 
     for (const std::int64_t window : {0, 3}) {
-      test_cache d = make_cache(g, layout, 2, triattention_granularity::per_kv_head, triattn::dtype::bf16);
+      test_cache d = make_cache(g, layout, 2, granularity::per_kv_head, triattn::dtype::bf16);
       triattn::triattention_config cfg;
       cfg.window = window;
       triattn::triattention p(ref::tri_random_stats(g, d.geometry()), cfg);
@@ -291,14 +305,15 @@ TEST_CASE("TriAttention budgets: >= length is a no-op, 1 keeps the best or the o
   }
 }
 
-TEST_CASE("TriAttention round start: set_position, derived, and fed by maybe_compress") {
+TEST_CASE("TriAttention round start: round_context::position, derived, and fed by maybe_compress") {
   auto g = triattn_test::rng(917);
   int differing = 0;
   for (int i = 0; i < 24; ++i) {
-    test_cache c = make_cache(g, triattn_test::all_layouts[i % 4], 2, triattention_granularity::per_layer_kv_head);
+    test_cache c = make_cache(g, triattn_test::all_layouts[i % 4], 2, granularity::per_layer);
     const auto stats = ref::tri_random_stats(g, c.geometry());
     triattn::triattention_config cfg;
-    cfg.granularity = triattention_granularity::per_layer_kv_head;  // per-row decisions react most to r
+    cfg.round.grain = granularity::per_layer;  // per-row decisions react most to r
+    cfg.round.sched = triattn::schedule::every_step();
     cfg.offset_max = 16;
     const std::int64_t derived = derived_round_start(c), later = derived + 37 + i * 101;
     const std::int64_t budget = std::max<std::int64_t>(1, longest_row(c) / 2);
@@ -308,24 +323,27 @@ TEST_CASE("TriAttention round start: set_position, derived, and fed by maybe_com
     differing += at_derived.keep != at_later.keep;
 
     triattn::triattention policy(stats, cfg);
-    const auto plan = [&] { return plan_rows(c.with_view([&](const auto& v) { return policy.plan(v, budget); })); };
-    CHECK(plan() == at_derived.keep);
-    policy.set_position(later);
-    REQUIRE(policy.next_position() == later);
-    CHECK(plan() == at_later.keep);
-    CHECK(plan() == at_derived.keep);  // consumed by the last round
+    const auto plan = [&](triattn::round_context ctx) {
+      return plan_rows(c.with_view([&](const auto& v) { return policy.plan(v, budget, ctx); }));
+    };
+    CHECK(plan({}) == at_derived.keep);
+    CHECK(plan({.position = derived}) == at_derived.keep);
+    CHECK(plan({.position = later}) == at_later.keep);
+    CHECK(plan({}) == at_derived.keep);  // the policy keeps no round start between calls
 
-    policy.set_position(derived - 1);  // not the position of a next token
-    triattn_test::check_rejected(c, [&] { c.with_view([&](const auto& v) { policy.compress(v, budget); }); },
-                   {"triattn::triattention::plan", "round start " + std::to_string(derived - 1)});
+    // not the position of a next token
+    triattn_test::check_rejected(
+        c, [&] { c.with_view([&](const auto& v) { policy.compress(v, budget, {.position = derived - 1}); }); },
+        {"triattn::compress", "round start " + std::to_string(derived - 1)});
+    triattn_test::check_rejected(c, [&] { c.with_view([&](const auto& v) { (void)policy.plan(v, budget, {.position = derived - 1}); }); },
+                                 {"triattn::triattention::plan", "round start " + std::to_string(derived - 1)});
 
-    // maybe_compress hands its position to the policy
+    // maybe_compress hands its position to the round (the policy's schedule: every_step)
     triattn_test::check_round(c, at_later.keep, [&] {
       std::vector<std::int32_t> freed;
-      const auto sched = triattn::schedule::every_step();
       const bool due = longest_row(c) > budget;
-      const bool ran =
-          c.with_view([&](const auto& v) { return triattn::maybe_compress(policy, v, budget, sched, later, &freed); });
+      const bool ran = c.with_view(
+          [&](const auto& v) { return triattn::maybe_compress(policy, v, budget, {.position = later}, &freed); });
       CHECK(ran == due);
       return freed;
     });
@@ -336,7 +354,7 @@ TEST_CASE("TriAttention round start: set_position, derived, and fed by maybe_com
 namespace {
 /// A cache with >= 2 layers and >= 4 slots in every row, all rows holding the same slots.
 test_cache error_cache(std::mt19937_64& g, cache_layout layout) {
-  return make_cache(g, layout, 2, triattention_granularity::global_union, triattn::dtype::f32, 2, 4);
+  return make_cache(g, layout, 2, granularity::whole_sequence, triattn::dtype::f32, 2, 4);
 }
 
 /// Compresses `c` to 2 tokens with a fresh policy.
@@ -357,15 +375,16 @@ TEST_CASE("TriAttention rejects rows holding different slots under a shared gran
     const auto paper = triattn::triattention_config::paper();
     c.position(l, h, 2) += 1000;
     triattn_test::check_rejected(c, [&] { compress_with(c, stats, paper); },
-                   {"triattn::triattention::plan", row_name(l, h) + " slot 2", "per_kv_head"});
+                   {"triattn::compress", row_name(l, h) + " slot 2", "per_kv_head", "granularity"});
     c.position(l, h, 2) -= 1000;
     c.length(l, h) -= 1;
     triattn_test::check_rejected(c, [&] { compress_with(c, stats, paper); },
-                   {"triattn::triattention::plan", row_name(l, h), "per_kv_head"});
-    triattn_test::check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::seed()); }, {"global_union"});
+                   {"triattn::compress", row_name(l, h), "per_kv_head", "granularity"});
+    triattn_test::check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::seed()); },
+                                 {"triattn::compress", "union granularity"});
     // per-(layer, kv_head) decisions take rows of any length
     triattn::triattention_config per_layer;
-    per_layer.granularity = triattention_granularity::per_layer_kv_head;
+    per_layer.round.grain = granularity::per_layer;
     compress_with(c, stats, per_layer);
     CHECK(c.length(l, h) == 2);
   }
@@ -382,7 +401,7 @@ TEST_CASE("TriAttention rejects non-finite keys, naming the slot, cache untouche
       k[0] = bad;
       c.store_key(l, h, 3, k);
       triattn_test::check_rejected(c, [&] { compress_with(c, stats, triattn::triattention_config::paper()); },
-                     {"triattn::triattention::plan", row_name(l, h) + " slot 3", "finite"});
+                     {"triattn::compress", row_name(l, h) + " slot 3", "finite"});
     }
   }
 }
@@ -395,7 +414,7 @@ TEST_CASE("TriAttention rejects stats that do not describe the model, naming the
     const auto mismatch = [&](const triattn::query_stats& other, const std::string& field) {
       INFO(field);
       triattn_test::check_rejected(c, [&] { compress_with(c, other, triattn::triattention_config::paper()); },
-                     {"triattn::triattention::plan", field});
+                     {"triattn::compress", field});
     };
     const auto stats_for = [&](auto&& change) {
       auto geo = c.geometry();
@@ -432,7 +451,9 @@ TEST_CASE("TriAttention rejects a bad budget, configuration or position") {
   p.config.window = -1;
   triattn_test::check_rejected(c, [&] { p.plan(c.dense_view(), 2); }, {"triattn::triattention::plan", "window -1"});
   p.config.window = 0;
-  p.config.prompt_length = -3;
-  triattn_test::check_rejected(c, [&] { p.plan(c.dense_view(), 2); }, {"triattn::triattention::plan", "prompt_length -3"});
-  CHECK_THROWS_WITH(p.set_position(-1), Catch::Contains("triattn::triattention::set_position"));
+  triattn_test::check_rejected(c, [&] { p.plan(c.dense_view(), 2, {.prompt_length = -3}); },
+                               {"triattn::triattention::plan", "prompt_length -3"});
+  // a given round start must be above every cached position (0 is below the cache's)
+  triattn_test::check_rejected(c, [&] { p.plan(c.dense_view(), 2, {.position = 0}); },
+                               {"triattn::triattention::plan", "round start 0", "largest cached position"});
 }

@@ -51,7 +51,7 @@ triattn::vatp_config random_config(std::mt19937_64& g, std::int64_t capacity) {
   if (part(g) == 0) cfg.recent = count(g);
   cfg.gqa = all_aggregations[agg(g)];
   cfg.normalize = coin(g) != 0;
-  cfg.sched = coin(g) ? triattn::schedule::every_step() : triattn::schedule::aligned_to(3);
+  cfg.round.sched = coin(g) ? triattn::schedule::every_step() : triattn::schedule::aligned_to(3);
   return cfg;
 }
 
@@ -65,7 +65,7 @@ TEST_CASE("VATP defaults, reference settings and budget splits") {
   CHECK(d.gqa == gqa_aggregation::mean);
   CHECK_FALSE(d.normalize);
   CHECK(d.prompt == triattn::prompt_scoring::every_row);
-  CHECK(d.sched.kind == triattn::trigger::every_step);
+  CHECK(d.round.sched.kind == triattn::trigger::every_step);
 
   triattn::vatp p;
   for (std::int64_t b = 1; b <= 40; ++b) {  // cli.md: 4 sinks, recent = B/2, heavy the rest
@@ -83,10 +83,9 @@ TEST_CASE("VATP defaults, reference settings and budget splits") {
   CHECK(h.sinks == 20);
   CHECK(h.prompt == triattn::prompt_scoring::every_row);
   triattn::vatp hp(h);
-  hp.set_prompt_length(1000);
-  CHECK(hp.split(1 << 20).heavy == 250);
-  CHECK(hp.split(1 << 20).recent == 250);
-  CHECK(hp.split(1 << 20).sinks == 20);
+  CHECK(hp.split(1 << 20, 1000).heavy == 250);
+  CHECK(hp.split(1 << 20, 1000).recent == 250);
+  CHECK(hp.split(1 << 20, 1000).sinks == 20);
 
   const auto s = triattn::vatp_config::scissorhands_setting(8);
   CHECK(s.recent == 10);
@@ -158,7 +157,7 @@ TEST_CASE("VATP reference settings: Scissorhands initial score and prompt-fracti
                               << " budget " << budget);
     attention_run<triattn::vatp> run(c, policy, triattn_test::setup_for(cfg, true, prompt), g);
     run.causal_prefill();
-    run.decode(cfg.sched, budget, ref::split_for(cfg, budget, prompt), 8);
+    run.decode(cfg.round.sched, budget, ref::split_for(cfg, budget, prompt), 8);
   }
 }
 
@@ -277,10 +276,14 @@ TEST_CASE("VATP rejects bad values and config, leaving the cache untouched") {
       const int l = c.shape().num_layers - 1;
       ref::store(c.value_row(l, 0, 1), type, 0, bad);
       c.with_view([&](const auto& v) {
+        // Without sinks, budget 1 is decided by score (with VATP's 4 sinks, protection alone
+        // would settle it, and the round pipeline never scores a settled decision).
+        policy.config.sinks = 0;
         triattn_test::check_rejected(
             c, [&] { policy.compress(v, 1); },
-            {"triattn::vatp::plan", "value of layer " + std::to_string(l) + " kv_head 0 slot 1", "must be finite"});
+            {"triattn::compress", "value of layer " + std::to_string(l) + " kv_head 0 slot 1", "must be finite"});
         std::vector<float> out(c.lengths.size() * static_cast<std::size_t>(c.shape().capacity));
+        policy.config.sinks = 4;
         throws_with([&] { policy.score(v, out); }, {"triattn::vatp::score", "must be finite"});
         triattn_test::check_rejected(c, [&] { policy.plan(v, 0); }, {"triattn::vatp::plan", "budget 0"});
         throws_with([&] { policy.observe(0, 0, 0, {}, std::vector<float>{0.5f, -1.0f}); },

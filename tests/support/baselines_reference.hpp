@@ -28,6 +28,7 @@
 #include "support/views.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/gqa.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/policies/h2o.hpp"
 
 namespace triattn_test {
@@ -105,8 +106,7 @@ inline std::vector<double> value_l1_norms(test_cache& c, int layer, int kv_head)
   std::vector<double> out;
   for (std::int32_t s = 0; s < c.length(layer, kv_head); ++s) {
     double norm = 0.0;
-    for (int d = 0; d < c.shape().head_dim; ++d)
-      norm += std::fabs(load(c.value_row(layer, kv_head, s), c.shape().type, static_cast<std::size_t>(d)));
+    for (const double x : c.value(layer, kv_head, s)) norm += std::fabs(x);
     out.push_back(norm);
   }
   return out;
@@ -407,7 +407,9 @@ class attention_run {
         for (std::int32_t s = 0; s < c_.length(l, h); ++s) before.back().push_back(c_.slot(l, h, s));
       }
     const auto lengths_before = c_.lengths;
-    const auto result = c_.with_view([&](const auto& v) { return policy_.compress(v, budget); });
+    // The prompt's length reaches the round through its context (H2O's ratio budgets read it).
+    const triattn::round_context ctx{.position = next_position_, .prompt_length = setup_.prompt_length};
+    const auto result = c_.with_view([&](const auto& v) { return policy_.compress(v, budget, ctx); });
     CHECK(result.freed_pages == expected_freed_pages(c_, lengths_before));
     ++rounds_;
     for (int l = 0; l < L; ++l)
@@ -477,7 +479,7 @@ void tally_decisions(test_cache& c, const Config& cfg, std::int64_t budget, bool
   Policy policy(cfg);
   INFO(c.shape().describe() << " " << describe(cfg, budget));
   attention_run<Policy> run(c, policy, setup_for(cfg, value_norm, 0), g);
-  run.simulate(cfg.sched, budget, ref::split_for(cfg, budget, 0), 16);
+  run.simulate(cfg.round.sched, budget, ref::split_for(cfg, budget, 0), 16);
   decisions += run.decisions();
   undecided += run.undecided();
 }

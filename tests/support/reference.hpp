@@ -76,25 +76,116 @@ inline std::uint16_t encode(small_float_format f, double x) {
   return static_cast<std::uint16_t>(sign | ((e + f.bias) << f.mant_bits) | (ri - (1 << f.mant_bits)));
 }
 
+// --- 8-bit floats (OCP fp8), from the definition ------------------------------------------
+
+/// An OCP 8-bit format: `exp_bits` + `mant_bits` = 7, bias 2^(exp_bits-1) - 1. `ieee`: the top
+/// exponent holds infinities and NaNs (e5m2); otherwise only all-ones is NaN, there is no
+/// infinity, and the top exponent holds normal numbers (e4m3 "fn").
+struct fp8_format {
+  int mant_bits;
+  int exp_bits;
+  bool ieee;
+  int bias() const { return (1 << (exp_bits - 1)) - 1; }
+};
+inline constexpr fp8_format e4m3_format{3, 4, false};
+inline constexpr fp8_format e5m2_format{2, 5, true};
+
+/// Value of an fp8 bit pattern: (-1)^s 2^(e-bias) 1.m, or 2^(1-bias) 0.m; NaN and inf as above.
+inline double decode8(fp8_format f, std::uint8_t bits) {
+  const bool negative = (bits & 0x80) != 0;
+  const int e = (bits >> f.mant_bits) & ((1 << f.exp_bits) - 1);
+  const int m = bits & ((1 << f.mant_bits) - 1);
+  const int e_top = (1 << f.exp_bits) - 1, m_top = (1 << f.mant_bits) - 1;
+  double v;
+  if (f.ieee && e == e_top) {
+    v = m == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+  } else if (!f.ieee && e == e_top && m == m_top) {
+    v = std::numeric_limits<double>::quiet_NaN();
+  } else if (e == 0) {
+    v = std::ldexp(m, 1 - f.bias() - f.mant_bits);
+  } else {
+    v = std::ldexp(m + (1 << f.mant_bits), e - f.bias() - f.mant_bits);
+  }
+  return negative ? -v : v;
+}
+
+/// The largest finite magnitude of the format (448 for e4m3, 57344 for e5m2).
+inline double fp8_max(fp8_format f) {
+  double m = 0.0;
+  for (int b = 0; b < 0x80; ++b) {
+    const double v = decode8(f, static_cast<std::uint8_t>(b));
+    if (std::isfinite(v)) m = std::max(m, v);
+  }
+  return m;
+}
+
+/// `x` rounded to the format as a value: nearest with ties to even (an even last mantissa
+/// bit), finite values saturating to +-max (vLLM's clamp), NaN to NaN, infinities to inf
+/// (e5m2) or NaN (e4m3, which has none). Computed by scaling to an integer count of units.
+inline double round8(fp8_format f, double x) {
+  if (std::isnan(x)) return x;
+  if (std::isinf(x)) return f.ieee ? x : std::numeric_limits<double>::quiet_NaN();
+  const double a = std::fabs(x);
+  const int emin = 1 - f.bias();
+  int e = emin;
+  if (a >= std::ldexp(1.0, emin)) {
+    int fe = 0;
+    std::frexp(a, &fe);
+    e = fe - 1;
+  }
+  const double q = std::ldexp(a, f.mant_bits - e);
+  double r = std::floor(q);
+  const double frac = q - r;
+  if (frac > 0.5 || (frac == 0.5 && std::fmod(r, 2.0) == 1.0)) r += 1.0;
+  const double v = std::min(std::ldexp(r, e - f.mant_bits), fp8_max(f));
+  return std::signbit(x) ? -v : v;
+}
+
+/// The bit pattern holding `round8(f, x)` (same sign for zeros; the NaN with x's sign).
+inline std::uint8_t encode8(fp8_format f, double x) {
+  const double v = round8(f, x);
+  for (int b = 0; b < 256; ++b) {
+    const double d = decode8(f, static_cast<std::uint8_t>(b));
+    if (std::signbit(d) != std::signbit(v)) continue;
+    if ((std::isnan(v) && std::isnan(d)) || d == v) return static_cast<std::uint8_t>(b);
+  }
+  return 0;
+}
+
+inline bool is_fp8(triattn::dtype t) { return t == triattn::dtype::fp8_e4m3 || t == triattn::dtype::fp8_e5m2; }
+inline fp8_format fp8_of(triattn::dtype t) { return t == triattn::dtype::fp8_e4m3 ? e4m3_format : e5m2_format; }
+
+/// Element `i` of a buffer of `t`, decoded (unscaled).
 inline double load(const std::byte* p, triattn::dtype t, std::size_t i) {
   if (t == triattn::dtype::f32) {
     float x;
     std::memcpy(&x, p + 4 * i, 4);
     return x;
   }
+  if (is_fp8(t)) return decode8(fp8_of(t), static_cast<std::uint8_t>(p[i]));
   std::uint16_t b;
   std::memcpy(&b, p + 2 * i, 2);
   return decode(t == triattn::dtype::f16 ? f16_format : bf16_format, b);
 }
 
+/// Writes `x` rounded to `t` (unscaled) as element `i`.
 inline void store(std::byte* p, triattn::dtype t, std::size_t i, double x) {
   if (t == triattn::dtype::f32) {
     const auto f = static_cast<float>(x);
     std::memcpy(p + 4 * i, &f, 4);
     return;
   }
+  if (is_fp8(t)) {
+    p[i] = static_cast<std::byte>(encode8(fp8_of(t), x));
+    return;
+  }
   const std::uint16_t b = encode(t == triattn::dtype::f16 ? f16_format : bf16_format, x);
   std::memcpy(p + 2 * i, &b, 2);
+}
+
+/// Bytes of one element of `t`.
+inline std::size_t bytes_of(triattn::dtype t) {
+  return t == triattn::dtype::f32 ? 4 : is_fp8(t) ? 1 : 2;
 }
 
 /// Unit roundoff of a storage type (half the relative spacing).
@@ -103,6 +194,8 @@ inline double unit_roundoff(triattn::dtype t) {
     case triattn::dtype::f32: return std::ldexp(1.0, -24);
     case triattn::dtype::f16: return std::ldexp(1.0, -11);
     case triattn::dtype::bf16: return std::ldexp(1.0, -8);
+    case triattn::dtype::fp8_e4m3: return std::ldexp(1.0, -4);
+    case triattn::dtype::fp8_e5m2: return std::ldexp(1.0, -3);
   }
   return 0.0;
 }

@@ -48,11 +48,16 @@ struct cache_shape {
   int spare_pages = 2;  ///< pool pages of "other sequences": nothing may ever write them
   triattn::key_state keys = triattn::key_state::post_rope;
   triattn::rope_desc rope{};
+  float k_scale = 1.0f;  ///< per-tensor scales (fp8 caches): value = decode(bits) x scale
+  float v_scale = 1.0f;
 
   std::string describe() const {
     return std::string(layout_name(layout)) + " " + triattn::dtype_name(type) + " L=" + std::to_string(num_layers) +
            " H=" + std::to_string(num_kv_heads) + " G=" + std::to_string(group) + " D=" + std::to_string(head_dim) +
-           " cap=" + std::to_string(capacity) + (is_paged(layout) ? " page=" + std::to_string(page_size) : "");
+           " cap=" + std::to_string(capacity) + (is_paged(layout) ? " page=" + std::to_string(page_size) : "") +
+           (k_scale != 1.0f || v_scale != 1.0f ? " k_scale=" + std::to_string(k_scale) + " v_scale=" + std::to_string(v_scale) : "") +
+           (keys == triattn::key_state::pre_rope ? " pre_rope" : "") +
+           (rope.style == triattn::rope_style::interleaved ? " interleaved" : "");
   }
 };
 
@@ -120,9 +125,10 @@ class test_cache {
     std::normal_distribution<double> normal(0.0, 1.0);
     const std::size_t bytes = layer_elems * triattn::dtype_bytes(shape.type);
     for (auto* kv : {&k_, &v_}) {
+      const double scale = kv == &k_ ? shape.k_scale : shape.v_scale;  // stored values decode to ~N(0, 1)
       kv->assign(L, std::vector<std::byte>(bytes));
       for (auto& layer : *kv)
-        for (std::size_t i = 0; i < layer_elems; ++i) ref::store(layer.data(), shape.type, i, normal(g));
+        for (std::size_t i = 0; i < layer_elems; ++i) ref::store(layer.data(), shape.type, i, normal(g) / scale);
     }
     for (std::size_t l = 0; l < L; ++l) {
       k_ptrs_.push_back(k_[l].data());
@@ -147,7 +153,7 @@ class test_cache {
 
   triattn::kv_geometry geometry() const {
     return {shape_.num_layers, shape_.num_kv_heads * shape_.group, shape_.num_kv_heads, shape_.head_dim, shape_.type,
-            shape_.keys, shape_.rope};
+            shape_.keys, shape_.rope, shape_.k_scale, shape_.v_scale};
   }
 
   triattn::dense_kv_view dense_view() {
@@ -184,14 +190,24 @@ class test_cache {
   std::byte* value_row(int l, int h, std::int64_t s) { return row(v_, l, h, s); }
   std::vector<std::byte> key_bytes(int l, int h, std::int64_t s) { return row_bytes(k_, l, h, s); }
   std::vector<std::byte> value_bytes(int l, int h, std::int64_t s) { return row_bytes(v_, l, h, s); }
-  /// The key row as doubles, decoded by the reference.
+  /// The key row as doubles, decoded by the reference (times k_scale).
   std::vector<double> key(int l, int h, std::int64_t s) {
     std::vector<double> x(static_cast<std::size_t>(shape_.head_dim));
-    for (std::size_t d = 0; d < x.size(); ++d) x[d] = ref::load(key_row(l, h, s), shape_.type, d);
+    for (std::size_t d = 0; d < x.size(); ++d) x[d] = ref::load(key_row(l, h, s), shape_.type, d) * shape_.k_scale;
     return x;
   }
+  /// The value row as doubles, decoded by the reference (times v_scale).
+  std::vector<double> value(int l, int h, std::int64_t s) {
+    std::vector<double> x(static_cast<std::size_t>(shape_.head_dim));
+    for (std::size_t d = 0; d < x.size(); ++d) x[d] = ref::load(value_row(l, h, s), shape_.type, d) * shape_.v_scale;
+    return x;
+  }
+  /// Stores `x` (values, divided by k_scale and rounded to the cache's type) as the key row.
   void store_key(int l, int h, std::int64_t s, const std::vector<double>& x) {
-    for (std::size_t d = 0; d < x.size(); ++d) ref::store(key_row(l, h, s), shape_.type, d, x[d]);
+    for (std::size_t d = 0; d < x.size(); ++d) ref::store(key_row(l, h, s), shape_.type, d, x[d] / shape_.k_scale);
+  }
+  void store_value(int l, int h, std::int64_t s, const std::vector<double>& x) {
+    for (std::size_t d = 0; d < x.size(); ++d) ref::store(value_row(l, h, s), shape_.type, d, x[d] / shape_.v_scale);
   }
 
   slot_contents slot(int l, int h, std::int64_t s) { return {key_bytes(l, h, s), value_bytes(l, h, s), position(l, h, s)}; }

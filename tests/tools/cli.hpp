@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "support/process.hpp"
+#include "triattn/io/npy.hpp"
 
 namespace triattn_test::cli {
 
@@ -103,6 +104,20 @@ inline result run_cli(const scratch_dir& dir, const std::vector<std::string>& ar
   fs::remove(out, ignored);
   fs::remove(err, ignored);
   return r;
+}
+
+/// Runs `triattn <args...>`, which must succeed silently (status 0, nothing on stdout or
+/// stderr), and returns the .npy it wrote to `out`, which is removed again.
+inline triattn::io::npy_array run_cli_npy(const scratch_dir& dir, const std::vector<std::string>& args,
+                                          const fs::path& out) {
+  const result r = run_cli(dir, args);
+  INFO("command: " << r.command << "\nstderr: " << r.err);
+  REQUIRE(r.code == 0);
+  REQUIRE(r.err.empty());
+  REQUIRE(r.out.empty());
+  triattn::io::npy_array a = triattn::io::read_npy(out);
+  fs::remove(out);
+  return a;
 }
 
 /// The failure every bad input must give: exit status 2, exactly one line on stderr that

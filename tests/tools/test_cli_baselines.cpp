@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "keep_check.hpp"
 #include "support/baselines_reference.hpp"
 #include "support/window_reference.hpp"
 #include "support/random.hpp"
@@ -45,8 +46,12 @@ namespace {
 namespace fs = std::filesystem;
 namespace io = triattn::io;
 namespace ref = triattn_test::ref;
+using triattn_test::cli::check_keep;
 using triattn_test::cli::check_one_line_error;
+using triattn_test::cli::expected_keep;
+using triattn_test::cli::finite_scale;
 using triattn_test::cli::run_cli;
+using triattn_test::cli::run_cli_npy;
 using triattn_test::cli::scratch_dir;
 
 constexpr int layers = 2, kv_heads = 2, head_dim = 16;
@@ -233,67 +238,23 @@ class oracle {
 };
 
 /// The oracle's keep set under cli.md's budget semantics, and which slots it ranks by score.
-struct expected_keep {
-  std::vector<std::int32_t> keep;
-  std::vector<bool> ranked;
-};
-
 expected_keep oracle_keep(policy p, const std::vector<double>& s, std::int64_t budget) {
   const auto n = static_cast<std::int64_t>(s.size());
   expected_keep e;
   e.ranked.assign(s.size(), false);
   if (windowed(p)) {
-    e.keep = ref::keep_best(s, budget).keep;
+    const std::vector<std::int32_t> keep = ref::keep_best(s, budget).keep;
+    e.keep.assign(keep.begin(), keep.end());
     if (budget < n)
       for (std::int64_t j = 0; j < n; ++j) e.ranked[j] = std::isfinite(s[j]);
     return e;
   }
   const ref::split_parts parts = ref::split_budget(budget, std::nullopt, std::nullopt, p == policy::vatp ? 4 : 0);
-  e.keep = ref::heavy_recent_keep(s, parts).keep;
+  const std::vector<std::int32_t> keep = ref::heavy_recent_keep(s, parts).keep;
+  e.keep.assign(keep.begin(), keep.end());
   if (n > parts.recent + parts.heavy)
     for (std::int64_t j = 0; j < n; ++j) e.ranked[j] = !(j < parts.sinks || j >= n - parts.recent);
   return e;
-}
-
-double finite_scale(const std::vector<double>& s) {
-  double m = 0.0;
-  for (const double x : s)
-    if (std::isfinite(x)) m = std::max(m, std::fabs(x));
-  return m;
-}
-
-/// The CLI's keep row against the oracle (see the top of the file). Returns how many slots differ.
-int check_keep(const std::vector<std::int64_t>& got, const std::vector<double>& s, const expected_keep& want) {
-  const auto n = static_cast<std::int64_t>(s.size());
-  REQUIRE(got.size() == want.keep.size());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    REQUIRE(got[i] >= 0);
-    REQUIRE(got[i] < n);
-    if (i > 0) REQUIRE(got[i] > got[i - 1]);  // ascending, no repeats
-  }
-  const double tol = tie_tolerance * finite_scale(s);
-  std::vector<bool> kept(s.size(), false), oracle_kept(s.size(), false);
-  for (const auto j : got) kept[j] = true;
-  for (const auto j : want.keep) oracle_kept[j] = true;
-  double worst_kept = inf, best_dropped = -inf, cut = inf;
-  for (std::int64_t j = 0; j < n; ++j) {
-    if (!want.ranked[j]) continue;
-    if (kept[j]) worst_kept = std::min(worst_kept, s[j]);
-    if (!kept[j]) best_dropped = std::max(best_dropped, s[j]);
-    if (oracle_kept[j]) cut = std::min(cut, s[j]);
-  }
-  INFO("worst kept ranked score " << worst_kept << ", best dropped " << best_dropped << ", tolerance " << tol);
-  if (worst_kept < inf && best_dropped > -inf) CHECK(best_dropped - worst_kept <= tol);
-  int differ = 0;
-  for (std::int64_t j = 0; j < n; ++j) {
-    if (kept[j] == oracle_kept[j]) continue;
-    ++differ;
-    INFO("slot " << j << ": the CLI " << (kept[j] ? "keeps" : "drops") << " it; oracle score " << s[j]
-                 << ", oracle cut " << cut);
-    CHECK(want.ranked[j]);
-    CHECK(std::fabs(s[j] - cut) <= tol);
-  }
-  return differ;
 }
 
 /// Runs commands in one scratch folder and reads their outputs back.
@@ -326,16 +287,7 @@ class session {
   }
 
   /// Runs `args`, which must succeed silently; returns the output (and removes it).
-  io::npy_array run(const std::vector<std::string>& args) const {
-    const auto r = run_cli(dir_, args);
-    INFO("command: " << r.command << "\nstderr: " << r.err);
-    REQUIRE(r.code == 0);
-    REQUIRE(r.err.empty());
-    REQUIRE(r.out.empty());
-    io::npy_array a = io::read_npy(files_.out);
-    fs::remove(files_.out);
-    return a;
-  }
+  io::npy_array run(const std::vector<std::string>& args) const { return run_cli_npy(dir_, args, files_.out); }
 
   /// `score <p>` against the oracle; returns the output.
   io::npy_array check_score(policy p, triattn::gqa_aggregation agg, bool every_input = false) {
@@ -400,7 +352,7 @@ class session {
           ++skipped_;
           continue;
         }
-        differ_ += check_keep(got, s, oracle_keep(p, s, budget));
+        differ_ += check_keep(got, s, oracle_keep(p, s, budget), tie_tolerance);
       }
     return a;
   }

@@ -77,9 +77,9 @@ slot_state make_slot_state(T* data, int num_kv_heads, int rows_per_kv_head, std:
 
 /// What a compaction did beyond the view's own arrays.
 struct compaction_result {
-  /// Paged views: page ids (from the tail of the block table) that no (layer, kv_head)
-  /// uses any more, in block-table order. The engine returns them to its allocator and
-  /// shortens the block table. Empty for dense views.
+  /// Views with a `freed_pages` hook (paged views): page ids (from the tail of the block
+  /// table) that no (layer, kv_head) uses any more, in block-table order. The engine returns
+  /// them to its allocator and shortens the block table. Empty for other views.
   std::vector<std::int32_t> freed_pages;
 };
 
@@ -105,14 +105,6 @@ void validate_plan(const char* api, const V& view, const keep_plan& plan) {
     }
   }
 }
-
-namespace detail {
-inline std::vector<std::int32_t> freed_pages(const dense_kv_view&, std::int32_t, std::int32_t) { return {}; }
-inline std::vector<std::int32_t> freed_pages(const paged_kv_view& v, std::int32_t before, std::int32_t after) {
-  const auto pages = [&](std::int32_t n) { return (n + v.page_size - 1) / v.page_size; };
-  return {v.block_table + pages(after), v.block_table + pages(before)};
-}
-}  // namespace detail
 
 /// Applies `plan` in place: K and V rows, positions, lengths and every `states` array.
 /// Validates everything first; on error nothing has been modified.
@@ -148,7 +140,12 @@ compaction_result compact(const V& view, const keep_plan& plan, std::span<const 
       view.set_length(l, h, static_cast<std::int32_t>(keep.size()));
     }
   }
-  return {detail::freed_pages(view, before, max_length(view))};
+  compaction_result result;
+  if constexpr (requires { view.freed_pages(before, before); }) {
+    const auto freed = view.freed_pages(before, max_length(view));
+    result.freed_pages.assign(freed.begin(), freed.end());
+  }
+  return result;
 }
 
 TRIATTN_NAMESPACE_END

@@ -11,13 +11,21 @@
 /// contiguous elements (the dim stride must be 1: vector loads and memcpy of whole rows).
 /// Slots are per (layer, kv_head): heads that kept different tokens hold different
 /// positions, so each (layer, kv_head) has its own token count and a position per slot.
+///
+/// As in mdspan, where a row is (the layout: `key`, `value`) is apart from how its elements
+/// decode (the accessor: `key_accessor`, `value_accessor`). The built-in views take the
+/// element type as a template parameter: `dense_kv_view_of<bfloat16_t>` decodes with a
+/// compile-time `scaled_accessor`, `dense_kv_view` (= `basic_dense_kv_view<any_element>`) with
+/// a `dtype_accessor` that dispatches once per row on `kv_geometry::type`.
 #pragma once
 
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 #include "triattn/core/config.hpp"
 #include "triattn/core/dtype.hpp"
@@ -41,6 +49,8 @@ struct kv_geometry {
   dtype type = dtype::f32;
   key_state keys = key_state::post_rope;
   rope_desc rope{};
+  float k_scale = 1.0f;  ///< per-tensor scale of K: value = decode(bits) x k_scale (1 unless fp8)
+  float v_scale = 1.0f;  ///< per-tensor scale of V
 
   /// Query heads per KV head. Query head h reads KV head h / group_size().
   TRIATTN_HOST_DEVICE int group_size() const { return num_q_heads / num_kv_heads; }
@@ -91,6 +101,13 @@ struct slot_table {
 /// - `v.capacity()`: slots addressable per (layer, kv_head);
 /// - `v.validate(api)`: throws `triattn::error` naming `api` when the view is malformed.
 /// Models are trivially copyable so that kernels can take them by value.
+///
+/// Optional hooks, found by `requires`:
+/// - `v.key_accessor(l)`, `v.value_accessor(l)`: how the rows of layer `l` decode (an object
+///   with `load(const std::byte*, int n, float*)` and `store(std::byte*, int n, const float*)`);
+///   without them, `dtype_accessor{geometry().type, k_scale or v_scale}`;
+/// - `v.freed_pages(before, after)`: the pages a compaction from `before` to `after` slots
+///   (the largest length over every (layer, kv_head)) released, for the engine's allocator.
 template <class V>
 concept KVCacheView = std::is_trivially_copyable_v<V> &&
                       requires(const V v, int l, int h, std::int64_t s, std::int32_t n, const char* api) {
@@ -104,9 +121,22 @@ concept KVCacheView = std::is_trivially_copyable_v<V> &&
                         v.validate(api);
                       };
 
+/// The element-type parameter of the built-in views that means "the type is `kv_geometry::type`,
+/// known at run time".
+struct any_element {};
+
 namespace detail {
+/// Checks the element type and scales of a geometry.
+inline void validate_elements(const char* api, const kv_geometry& g) {
+  TRIATTN_CHECK(is_valid_dtype(g.type), api, "dtype ", static_cast<int>(g.type), " is not a triattn::dtype");
+  const auto good = [](float s) { return s > 0.0f && s < INFINITY; };  // false for NaN
+  TRIATTN_CHECK(good(g.k_scale) && good(g.v_scale), api, "k_scale ", g.k_scale, " and v_scale ", g.v_scale,
+                " must be finite and > 0");
+}
+
 /// Checks the parts of a view that both models share.
 inline void validate_common(const char* api, const kv_geometry& g, const slot_table& t) {
+  validate_elements(api, g);
   TRIATTN_CHECK(g.num_layers > 0, api, "num_layers ", g.num_layers, " must be >= 1");
   TRIATTN_CHECK(g.num_kv_heads > 0, api, "num_kv_heads ", g.num_kv_heads, " must be >= 1");
   TRIATTN_CHECK(g.num_q_heads > 0 && g.num_q_heads % g.num_kv_heads == 0, api, "num_q_heads ", g.num_q_heads,
@@ -121,11 +151,38 @@ inline void validate_common(const char* api, const kv_geometry& g, const slot_ta
                   "]");
   }
 }
+
+/// The accessor of a built-in view's K or V: compile-time when `Element` is a storage type.
+template <class Element>
+TRIATTN_HOST_DEVICE auto element_accessor(const kv_geometry& g, float scale) {
+  if constexpr (std::is_same_v<Element, any_element>) {
+    return dtype_accessor{g.type, scale};
+  } else {
+    return scaled_accessor<Element>{scale};
+  }
+}
+template <class Element>
+TRIATTN_HOST_DEVICE std::int64_t element_bytes(const kv_geometry& g) {
+  if constexpr (std::is_same_v<Element, any_element>) {
+    return static_cast<std::int64_t>(dtype_bytes(g.type));
+  } else {
+    return static_cast<std::int64_t>(sizeof(Element));
+  }
+}
+/// A typed view must describe a cache of its own type.
+template <class Element>
+void validate_element_type(const char* api, const kv_geometry& g) {
+  if constexpr (!std::is_same_v<Element, any_element>)
+    TRIATTN_CHECK(g.type == dtype_of<Element>, api, "the view's element type is ", dtype_name(dtype_of<Element>),
+                  " but its geometry says ", dtype_name(g.type));
+}
 }  // namespace detail
 
 /// A dense cache: per layer, K and V are base pointers with row strides. Covers NHD
 /// [tokens, kv_heads, head_dim], HND [kv_heads, tokens, head_dim] and any other strided layout.
-struct dense_kv_view {
+/// `Element` is the storage type when known at compile time (`any_element`: `geo.type`).
+template <class Element = any_element>
+struct basic_dense_kv_view {
   kv_geometry geo{};
   std::byte* const* k_layers = nullptr;  ///< [num_layers] base pointer of each layer's K
   std::byte* const* v_layers = nullptr;  ///< [num_layers] base pointer of each layer's V
@@ -136,11 +193,13 @@ struct dense_kv_view {
   TRIATTN_HOST_DEVICE const kv_geometry& geometry() const { return geo; }
   TRIATTN_HOST_DEVICE std::int64_t capacity() const { return slots.capacity; }
   TRIATTN_HOST_DEVICE std::byte* key(int l, int h, std::int64_t s) const {
-    return k_layers[l] + (s * k_stride.token + h * k_stride.head) * static_cast<std::int64_t>(dtype_bytes(geo.type));
+    return k_layers[l] + (s * k_stride.token + h * k_stride.head) * detail::element_bytes<Element>(geo);
   }
   TRIATTN_HOST_DEVICE std::byte* value(int l, int h, std::int64_t s) const {
-    return v_layers[l] + (s * v_stride.token + h * v_stride.head) * static_cast<std::int64_t>(dtype_bytes(geo.type));
+    return v_layers[l] + (s * v_stride.token + h * v_stride.head) * detail::element_bytes<Element>(geo);
   }
+  TRIATTN_HOST_DEVICE auto key_accessor(int) const { return detail::element_accessor<Element>(geo, geo.k_scale); }
+  TRIATTN_HOST_DEVICE auto value_accessor(int) const { return detail::element_accessor<Element>(geo, geo.v_scale); }
   TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.lengths[l * geo.num_kv_heads + h]; }
   TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const {
     slots.lengths[l * geo.num_kv_heads + h] = n;
@@ -151,6 +210,7 @@ struct dense_kv_view {
 
   void validate(const char* api) const {
     detail::validate_common(api, geo, slots);
+    detail::validate_element_type<Element>(api, geo);
     TRIATTN_CHECK(k_layers != nullptr && v_layers != nullptr, api, "k_layers/v_layers is null");
     for (int l = 0; l < geo.num_layers; ++l) {
       TRIATTN_CHECK(k_layers[l] != nullptr, api, "K base pointer of layer ", l, " is null");
@@ -161,8 +221,9 @@ struct dense_kv_view {
 
 /// A paged cache (vLLM / FlashInfer style): per layer a pool of pages, one block table per
 /// sequence shared by all layers, mapping logical slot s to (page block_table[s / page_size],
-/// offset s % page_size). Any positive page size.
-struct paged_kv_view {
+/// offset s % page_size). Any positive page size. `Element` as for `basic_dense_kv_view`.
+template <class Element = any_element>
+struct basic_paged_kv_view {
   kv_geometry geo{};
   std::byte* const* k_pools = nullptr;  ///< [num_layers] base of each layer's K page pool
   std::byte* const* v_pools = nullptr;  ///< [num_layers] base of each layer's V page pool
@@ -179,6 +240,8 @@ struct paged_kv_view {
   TRIATTN_HOST_DEVICE std::byte* value(int l, int h, std::int64_t s) const {
     return row(v_pools[l], v_stride, h, s);
   }
+  TRIATTN_HOST_DEVICE auto key_accessor(int) const { return detail::element_accessor<Element>(geo, geo.k_scale); }
+  TRIATTN_HOST_DEVICE auto value_accessor(int) const { return detail::element_accessor<Element>(geo, geo.v_scale); }
   TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.lengths[l * geo.num_kv_heads + h]; }
   TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const {
     slots.lengths[l * geo.num_kv_heads + h] = n;
@@ -187,8 +250,16 @@ struct paged_kv_view {
     return slots.positions[(static_cast<std::int64_t>(l) * geo.num_kv_heads + h) * slots.capacity + s];
   }
 
+  /// The page ids (from the tail of the block table, in block-table order) that no (layer,
+  /// kv_head) uses once the longest row went from `before` to `after` slots.
+  std::vector<std::int32_t> freed_pages(std::int32_t before, std::int32_t after) const {
+    const auto pages = [&](std::int32_t n) { return (n + page_size - 1) / page_size; };
+    return {block_table + pages(after), block_table + pages(before)};
+  }
+
   void validate(const char* api) const {
     detail::validate_common(api, geo, slots);
+    detail::validate_element_type<Element>(api, geo);
     TRIATTN_CHECK(page_size > 0, api, "page_size ", page_size, " must be >= 1");
     TRIATTN_CHECK(block_table != nullptr, api, "block_table is null");
     TRIATTN_CHECK(k_pools != nullptr && v_pools != nullptr, api, "k_pools/v_pools is null");
@@ -206,42 +277,63 @@ struct paged_kv_view {
   TRIATTN_HOST_DEVICE std::byte* row(std::byte* pool, const kv_strides& st, int h, std::int64_t s) const {
     const std::int64_t page = block_table[s / page_size];
     const std::int64_t off = s % page_size;
-    return pool + (page * st.page + off * st.token + h * st.head) * static_cast<std::int64_t>(dtype_bytes(geo.type));
+    return pool + (page * st.page + off * st.token + h * st.head) * detail::element_bytes<Element>(geo);
   }
 };
 
+/// The views most code uses: element type from `kv_geometry::type` at run time.
+using dense_kv_view = basic_dense_kv_view<>;
+using paged_kv_view = basic_paged_kv_view<>;
+/// Views whose element type `T` is known at compile time (no per-row dispatch).
+template <class T>
+using dense_kv_view_of = basic_dense_kv_view<T>;
+template <class T>
+using paged_kv_view_of = basic_paged_kv_view<T>;
+
 static_assert(KVCacheView<dense_kv_view>);
 static_assert(KVCacheView<paged_kv_view>);
+static_assert(KVCacheView<dense_kv_view_of<fp8_e4m3_t>>);
 static_assert(std::is_standard_layout_v<dense_kv_view> && std::is_standard_layout_v<paged_kv_view>);
 
-namespace detail {
-inline void load_row(const std::byte* p, dtype t, int n, float* out) {
-  for (int d = 0; d < n; ++d) out[d] = load_element(p, t, static_cast<std::size_t>(d));
+/// The accessor of layer `l`'s keys of `v`: the view's `key_accessor` hook, else the run-time
+/// dtype with `k_scale`.
+template <class V>
+TRIATTN_HOST_DEVICE auto key_accessor_of(const V& v, int l) {
+  if constexpr (requires { v.key_accessor(l); }) {
+    return v.key_accessor(l);
+  } else {
+    return dtype_accessor{v.geometry().type, v.geometry().k_scale};
+  }
 }
-inline void store_row(std::byte* p, dtype t, int n, const float* in) {
-  for (int d = 0; d < n; ++d) store_element(p, t, static_cast<std::size_t>(d), in[d]);
+/// The accessor of layer `l`'s values of `v` (see `key_accessor_of`).
+template <class V>
+TRIATTN_HOST_DEVICE auto value_accessor_of(const V& v, int l) {
+  if constexpr (requires { v.value_accessor(l); }) {
+    return v.value_accessor(l);
+  } else {
+    return dtype_accessor{v.geometry().type, v.geometry().v_scale};
+  }
 }
-}  // namespace detail
 
-/// Reads the key row (l, h, s) as f32 into `out` [head_dim].
+/// Reads the key row (l, h, s) as f32 (scaled) into `out` [head_dim].
 template <KVCacheView V>
 void load_key(const V& v, int l, int h, std::int64_t s, float* out) {
-  detail::load_row(v.key(l, h, s), v.geometry().type, v.geometry().head_dim, out);
+  key_accessor_of(v, l).load(v.key(l, h, s), v.geometry().head_dim, out);
 }
-/// Reads the value row (l, h, s) as f32 into `out` [head_dim].
+/// Reads the value row (l, h, s) as f32 (scaled) into `out` [head_dim].
 template <KVCacheView V>
 void load_value(const V& v, int l, int h, std::int64_t s, float* out) {
-  detail::load_row(v.value(l, h, s), v.geometry().type, v.geometry().head_dim, out);
+  value_accessor_of(v, l).load(v.value(l, h, s), v.geometry().head_dim, out);
 }
-/// Writes `in` [head_dim] as the key row (l, h, s), rounding to the cache's dtype.
+/// Writes `in` [head_dim] as the key row (l, h, s), scaled and rounded to the cache's type.
 template <KVCacheView V>
 void store_key(const V& v, int l, int h, std::int64_t s, const float* in) {
-  detail::store_row(v.key(l, h, s), v.geometry().type, v.geometry().head_dim, in);
+  key_accessor_of(v, l).store(v.key(l, h, s), v.geometry().head_dim, in);
 }
-/// Writes `in` [head_dim] as the value row (l, h, s), rounding to the cache's dtype.
+/// Writes `in` [head_dim] as the value row (l, h, s), scaled and rounded to the cache's type.
 template <KVCacheView V>
 void store_value(const V& v, int l, int h, std::int64_t s, const float* in) {
-  detail::store_row(v.value(l, h, s), v.geometry().type, v.geometry().head_dim, in);
+  value_accessor_of(v, l).store(v.value(l, h, s), v.geometry().head_dim, in);
 }
 
 /// Largest length over every (layer, kv_head).

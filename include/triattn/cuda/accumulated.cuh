@@ -11,7 +11,8 @@
 /// **A round**, in stream order:
 ///  1. after each attention, `accumulate_attention` adds the new query row of every (sequence,
 ///     layer, q_head);
-///  2. `plan_accumulated` scores every (sequence, layer, kv_head) and selects its keep set;
+///  2. `plan_round` (round.cuh) with an `accumulated_scorer` scores every (sequence, layer,
+///     kv_head) and selects the keep sets of the round's decisions;
 ///  3. `compact` (compact.cuh) moves K, V, positions and, given `accumulated_slot_states`, the
 ///     sums and counts with the same keep indices, so that a slot's state follows its token;
 ///  4. `clear_past_length` zeroes the state of the slots the compaction freed: the next tokens
@@ -29,10 +30,12 @@
 #include "triattn/core/config.hpp"
 #include "triattn/core/gqa.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/policies/h2o.hpp"
 #include "triattn/cuda/common.cuh"
 #include "triattn/cuda/compact.cuh"
-#include "triattn/cuda/select.cuh"
+#include "triattn/cuda/round.cuh"
 #include "triattn/policies/accumulated_math.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
@@ -51,6 +54,17 @@ struct accumulated_scoring {
   gqa_aggregation gqa = gqa_aggregation::mean;
   bool normalize = false;       ///< divide by the rows that saw the slot (h2o_config::normalize)
   bool value_weighted = false;  ///< VATP: times the value row's L1 norm, read from the cache
+};
+
+/// H2O's budget split (`h2o_config::budget_parts()`, readable on the device) and the CPU
+/// policy's `rule`: the sinks and the recent window protected, heavy + recent kept.
+struct accumulated_split {
+  h2o_budget parts{};
+
+  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const {
+    const h2o_split s = parts.split(info.budget, info.prompt_length);
+    return {s.protected_slots(), s.total()};
+  }
 };
 
 /// The state arrays as `compact` moves them: a KV head owns the G sum rows of its group and
@@ -84,13 +98,11 @@ struct accumulated_row {
   std::int64_t sums, counts;
   bool counts_owner;
 };
-TRIATTN_HOST_DEVICE accumulated_row accumulated_row_of(int r, const kv_geometry& g, std::int64_t capacity) {
-  const int qh = r % g.num_q_heads;
-  const int l = (r / g.num_q_heads) % g.num_layers;
-  const int b = r / (g.num_q_heads * g.num_layers);
+TRIATTN_HOST_DEVICE accumulated_row accumulated_row_of(std::int64_t r, const kv_geometry& g, std::int64_t capacity) {
+  const segment_id q = segment_of(r, g.num_layers, g.num_q_heads);
   const int G = g.group_size();
-  const std::int64_t count_row = (std::int64_t{b} * g.num_layers + l) * g.num_kv_heads + qh / G;
-  return {b, l, qh / G, std::int64_t{r} * capacity, count_row * capacity, qh % G == 0};
+  const std::int64_t count_row = (std::int64_t{q.b} * g.num_layers + q.l) * g.num_kv_heads + q.h / G;
+  return {q.b, q.l, q.h / G, r * capacity, count_row * capacity, q.h % G == 0};
 }
 
 /// The first slot of this thread in a (rows, slot blocks) grid, and the stride between its slots.
@@ -102,7 +114,7 @@ __device__ inline std::int64_t accumulated_slot_stride() { return static_cast<st
 template <int Threads, KVCacheView V>
 __global__ void __launch_bounds__(Threads) accumulate_probability_rows(view_batch<V> batch, const float* probs,
                                                                        const float* weights, accumulated_state state) {
-  const accumulated_row q = accumulated_row_of(static_cast<int>(blockIdx.x), batch.geometry, batch.capacity);
+  const accumulated_row q = accumulated_row_of(blockIdx.x, batch.geometry, batch.capacity);
   const float weight = weights == nullptr ? 1.0f : weights[q.b];
   if (weight == 0.0f) return;  // a row that is not recorded (row_weight): neither summed nor counted
   const std::int32_t n = batch.views[q.b].length(q.l, q.h);
@@ -116,7 +128,7 @@ __global__ void __launch_bounds__(Threads) accumulate_probability_rows(view_batc
 template <int Threads, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
     clear_accumulated_past_length(view_batch<V> batch, accumulated_state state) {
-  const accumulated_row q = accumulated_row_of(static_cast<int>(blockIdx.x), batch.geometry, batch.capacity);
+  const accumulated_row q = accumulated_row_of(blockIdx.x, batch.geometry, batch.capacity);
   const std::int32_t n = batch.views[q.b].length(q.l, q.h);
   for (std::int64_t j = n + accumulated_first_slot(); j < batch.capacity; j += accumulated_slot_stride()) {
     state.sums[q.sums + j] = 0.0f;
@@ -124,25 +136,26 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
-/// Scores of segment r = (b x layers + l) x kv_heads + h into `scores` [rows, capacity] and
-/// its length into `lengths` [rows] (when not null). A segment of at most `keep_all` slots is
-/// kept whole by the plan: its slots score 0 and its values are not read, so that, as on the
-/// CPU, only a row that is really ranked can fail on a non-finite value.
+/// Scores of segment r = (b x layers + l) x kv_heads + h into `scores` [rows, capacity]. In a
+/// round (`in_round`), a segment of at most the slots its decision keeps is kept whole:
+/// its slots score 0 and its values are not read, so that, as on the CPU, only a row that is
+/// really ranked can fail on a non-finite value.
 template <int Threads, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
     score_accumulated_segments(view_batch<V> batch, accumulated_state state, accumulated_scoring scoring,
-                               std::int64_t keep_all, float* scores, std::int32_t* lengths, std::int32_t* status) {
+                               bool in_round, accumulated_split split, device_round round, float* scores,
+                               std::int32_t* status) {
   const kv_geometry& g = batch.geometry;
-  const int r = static_cast<int>(blockIdx.x);
+  const std::int64_t r = blockIdx.x;
   const segment_id id = segment_of(r, g);
   const V& view = batch.views[id.b];
   const std::int32_t n = view.length(id.l, id.h);
-  if (lengths != nullptr && blockIdx.y == 0 && threadIdx.x == 0) lengths[r] = n;
+  const std::int64_t keep_all = in_round ? split.rule(round.info(id.b)).keep : 0;
   const int G = g.group_size();
   const std::int64_t cap = batch.capacity;
   const float* sums = state.sums + ((std::int64_t{id.b} * g.num_layers + id.l) * g.num_q_heads + id.h * G) * cap;
-  const std::int32_t* counts = state.counts + std::int64_t{r} * cap;  // [b, l, h] is row r
-  float* out = scores + std::int64_t{r} * cap;
+  const std::int32_t* counts = state.counts + r * cap;  // [b, l, h] is row r
+  float* out = scores + r * cap;
   float value[max_head_dim];
   for (std::int64_t j = accumulated_first_slot(); j < n; j += accumulated_slot_stride()) {
     if (n <= keep_all) {
@@ -151,7 +164,7 @@ __global__ void __launch_bounds__(Threads)
     }
     float s = ::TRIATTN_NAMESPACE::accumulated_score(sums + j, G, cap, counts[j], scoring.gqa, scoring.normalize);
     if (scoring.value_weighted) {
-      load_row(view.value(id.l, id.h, j), g.type, g.head_dim, value);
+      load_value_row(view, id.l, id.h, j, value);
       const float norm = ::TRIATTN_NAMESPACE::value_l1_norm(value, g.head_dim);
       if (!isfinite(norm))
         fail_round(status, round_status::non_finite_key);
@@ -228,57 +241,57 @@ cudaError_t score_accumulated(const view_batch<V>& batch, const accumulated_stat
   constexpr int threads = 128;  // a thread holds a value row of up to max_head_dim floats
   const std::int64_t rows = std::int64_t{batch.size} * batch.geometry.num_layers * batch.geometry.num_kv_heads;
   const dim3 grid = detail::accumulated_grid(rows, batch.capacity, threads);
-  detail::score_accumulated_segments<threads><<<grid, threads, 0, stream>>>(batch, state, scoring, 0, scores,
-                                                                            nullptr, status);
+  detail::score_accumulated_segments<threads><<<grid, threads, 0, stream>>>(batch, state, scoring, false, {}, {},
+                                                                            scores, status);
   return cudaGetLastError();
 }
 
-/// The keep plan of a round (the CPU's `plan`) for every (sequence, layer, kv_head): a row
-/// holding at most `split.total()` slots keeps them all; a longer one keeps its first
-/// `split.sinks` and last `split.recent` slots and the best-scoring others up to the total,
-/// ties to the lower slot (`select_keep`). `keep` [batch, layers, kv_heads, stride] and `kept`
-/// [batch, layers, kv_heads] are a `device_keep_plan` with stride = max(split.total(), 1); a
-/// split of 0 slots (ratios of a short prompt) keeps nothing. Get `split` from the CPU
-/// policy's `split(budget)` or `split_budget`. CUB-style workspace; `status` as for
-/// `score_accumulated`. At most 65535 (sequence, layer, kv_head) rows (`select_keep`'s limit).
-template <KVCacheView V>
-cudaError_t plan_accumulated(void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
-                             const accumulated_state& state, const accumulated_scoring& scoring, const h2o_split& split,
-                             std::int32_t* keep, std::int32_t* kept, std::int32_t* status, cudaStream_t stream) {
-  const char* api = "triattn::cuda::plan_accumulated";
-  if (const cudaError_t err = detail::check_accumulated_rows(api, batch); err != cudaSuccess) return err;
-  if (split.recent < 0 || split.heavy < 0 || split.sinks < 0 || split.sinks > split.heavy || split.total() > INT32_MAX)
-    return detail::reject(api, "split of recent ", split.recent, ", heavy ", split.heavy, ", sinks ", split.sinks,
-                          ": expected counts >= 0, sinks <= heavy and a total below 2^31");
-  const auto total = static_cast<std::int32_t>(split.total());
-  const kv_geometry& g = batch.geometry;
-  const std::int64_t rows = std::int64_t{batch.size} * g.num_layers * g.num_kv_heads;
-  const bool selects = total > 0 && batch.capacity > 0;  // otherwise every row keeps all or nothing: no ranking
+/// H2O's and VATP's device scorer for `plan_round`: `score_accumulated`'s scores of the
+/// batch's state, with the CPU policy's split of each sequence's budget (`split`: sinks and
+/// recent window protected, heavy + recent kept; a split of 0 slots keeps nothing). Build it
+/// with `h2o(state, config)` or `vatp(state, config)`. A row holding at most the slots its
+/// decision keeps is not scored (its values are not read). `status` receives
+/// `non_finite_key` when a ranked value norm is not finite (VATP).
+struct accumulated_scorer {
+  accumulated_state state{};
+  accumulated_scoring scoring{};
+  accumulated_split split{};
 
-  detail::workspace_carver ws(workspace);
-  auto* scores = ws.take<float>(static_cast<std::size_t>(selects ? rows * batch.capacity : 0));
-  auto* lengths = ws.take<std::int32_t>(static_cast<std::size_t>(rows));  // never empty: a null workspace only sizes
-  const select_segments seg{scores, lengths, nullptr, static_cast<int>(rows), batch.capacity};
-  std::size_t select_bytes = 0;
-  if (selects) {
-    const cudaError_t err = select_keep(nullptr, select_bytes, seg, split.protected_slots(), total, keep, kept, stream);
-    if (err != cudaSuccess) return err;
+  static accumulated_scorer h2o(const accumulated_state& s, const h2o_config& c) {
+    return {s, {c.gqa, c.normalize, false}, accumulated_split{c.budget_parts()}};
   }
-  void* select_workspace = ws.take<std::byte>(select_bytes);
-  cudaError_t err = cudaSuccess;
-  if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
-  if ((err = detail::check_accumulated_state(api, state)) != cudaSuccess) return err;
-  if ((err = detail::check_accumulated_status(api, scoring, status)) != cudaSuccess) return err;
-  if (keep == nullptr || kept == nullptr) return detail::reject(api, "keep and kept must not be null");
+  /// VATP: H2O's scores times each value row's L1 norm (vatp_config is an h2o_config).
+  static accumulated_scorer vatp(const accumulated_state& s, const h2o_config& c) {
+    return {s, {c.gqa, c.normalize, true}, accumulated_split{c.budget_parts()}};
+  }
 
-  if (!selects) return cudaMemsetAsync(kept, 0, static_cast<std::size_t>(rows) * sizeof(std::int32_t), stream);
-  constexpr int threads = 128;
-  const dim3 grid = detail::accumulated_grid(rows, batch.capacity, threads);
-  detail::score_accumulated_segments<threads><<<grid, threads, 0, stream>>>(batch, state, scoring, total, scores,
-                                                                            lengths, status);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  return select_keep(select_workspace, select_bytes, seg, split.protected_slots(), total, keep, kept, stream);
-}
+  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return split.rule(info); }
+
+  template <KVCacheView V>
+  cudaError_t score(const char* api, void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
+                    const device_round& round, float* scores, std::int32_t* status, cudaStream_t stream) const {
+    if (const cudaError_t err = detail::check_accumulated_rows(api, batch); err != cudaSuccess) return err;
+    const h2o_budget& parts = split.parts;
+    if (parts.sinks < 0 || parts.heavy_ratio > 1.0 || parts.recent_ratio > 1.0)
+      return detail::reject(api, "split sinks ", parts.sinks, ", heavy_ratio ", parts.heavy_ratio, ", recent_ratio ",
+                            parts.recent_ratio, ": expected sinks >= 0 and ratios in [0, 1] (or unset)");
+    if ((parts.heavy_ratio >= 0.0 || parts.recent_ratio >= 0.0) && round.in.prompt_lengths == nullptr)
+      return detail::reject(api, "a ratio split is a fraction of the prompt length: round_inputs::prompt_lengths is null");
+    if (workspace == nullptr) {
+      workspace_bytes = 0;
+      return cudaSuccess;
+    }
+    cudaError_t err;
+    if ((err = detail::check_accumulated_state(api, state)) != cudaSuccess) return err;
+    if ((err = detail::check_accumulated_status(api, scoring, status)) != cudaSuccess) return err;
+    constexpr int threads = 128;  // a thread holds a value row of up to max_head_dim floats
+    const std::int64_t rows = std::int64_t{batch.size} * batch.geometry.num_layers * batch.geometry.num_kv_heads;
+    const dim3 grid = detail::accumulated_grid(rows, batch.capacity, threads);
+    detail::score_accumulated_segments<threads><<<grid, threads, 0, stream>>>(batch, state, scoring, true, split, round,
+                                                                              scores, status);
+    return cudaGetLastError();
+  }
+};
 
 /// Zeroes the state of every slot at or past its (layer, kv_head)'s length, up to the batch's
 /// capacity: the CPU's `clear_past_length`. Run it after every compaction (or other shortening

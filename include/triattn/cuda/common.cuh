@@ -18,6 +18,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -52,6 +53,8 @@ enum class round_status : std::int32_t {
   non_finite_key = 1,  ///< a scored key holds a NaN or an infinity
   bad_keep = 2,        ///< keep indices not strictly ascending or outside [0, length), or a length above capacity
   misaligned_rows = 3, ///< a K or V row is not aligned to the unit `compact` moves it in
+  unequal_rows = 4,    ///< rows sharing a decision (per_kv_head, whole_sequence) hold different slots
+  bad_budget = 5,      ///< a sequence's budget is < 1, or a decision keeps more slots than the plan's stride
 };
 
 /// The message of the last host-side argument error of this thread ("" when none).
@@ -120,11 +123,29 @@ cudaError_t check_batch(const char* api, const view_batch<V>& batch) {
   if (g.num_layers < 1 || g.num_kv_heads < 1 || g.num_q_heads < 1 || g.num_q_heads % g.num_kv_heads != 0)
     return reject(api, "geometry of ", g.num_layers, " layers, ", g.num_q_heads, " q_heads, ", g.num_kv_heads,
                   " kv_heads: expected >= 1 layer and q_heads a positive multiple of kv_heads");
+  if (!is_valid_dtype(g.type)) return reject(api, "dtype ", static_cast<int>(g.type), " is not a triattn::dtype");
+  if (!(g.k_scale > 0.0f && g.k_scale < INFINITY && g.v_scale > 0.0f && g.v_scale < INFINITY))
+    return reject(api, "k_scale ", g.k_scale, " and v_scale ", g.v_scale, " must be finite and > 0");
   if (g.head_dim < 2 || g.head_dim % 2 != 0 || g.head_dim > max_head_dim)
     return reject(api, "head_dim ", g.head_dim, " must be even and in [2, ", max_head_dim, "]");
   if (batch.capacity < 0 || batch.capacity > INT32_MAX)
     return reject(api, "capacity ", batch.capacity, " must be in [0, 2^31)");
   return cudaSuccess;
+}
+
+/// Row r of a [batch, layers, heads, ...] buffer as (sequence, layer, head): the one index
+/// mapping of the CUDA path. `heads` is kv_heads for keep plans and scores, q_heads for the
+/// per-q-head rows of TriAttention and the accumulated sums.
+struct segment_id {
+  int b, l, h;
+};
+TRIATTN_HOST_DEVICE segment_id segment_of(std::int64_t r, int layers, int heads) {
+  return {static_cast<int>(r / (std::int64_t{layers} * heads)), static_cast<int>(r / heads % layers),
+          static_cast<int>(r % heads)};
+}
+/// Row r of a [batch, layers, kv_heads, ...] buffer (a keep plan's or a score buffer's row).
+TRIATTN_HOST_DEVICE segment_id segment_of(std::int64_t r, const kv_geometry& g) {
+  return segment_of(r, g.num_layers, g.num_kv_heads);
 }
 
 /// Blocks of `threads` covering `n` items (at least one block, so that a grid is valid).
@@ -139,32 +160,59 @@ __device__ inline void fail_round(std::int32_t* status, round_status code) {
   atomicCAS(status, static_cast<std::int32_t>(round_status::ok), static_cast<std::int32_t>(code));
 }
 
-/// Reads `n` elements of a row of type `t` as floats into `out` [n]: 16-byte vector loads when
-/// the row is 16-byte aligned and a whole number of vectors, element loads otherwise. The
-/// conversions are the host's (dtype.hpp), so a key decodes to the same floats on both sides.
-__device__ inline void load_row(const std::byte* row, dtype t, int n, float* out) {
-  const std::size_t bytes = static_cast<std::size_t>(n) * dtype_bytes(t);
-  if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0 || bytes % 16 != 0) {
-    for (int d = 0; d < n; ++d) out[d] = load_element(row, t, static_cast<std::size_t>(d));
+/// Reads a row of `n` elements of storage type `T` as floats x `scale` into `out` [n]: 16-byte
+/// vector loads (4 f32, 8 f16/bf16 or 16 fp8 elements each) when the row is 16-byte aligned
+/// and a whole number of vectors, element loads otherwise. Each element is the host
+/// accessor's float (`scaled_accessor<T>`: decode x scale), so a row reads the same on both sides.
+/// Host and device so that the run-time dispatch below (`visit_dtype`, host and device) may
+/// call it; the host only ever takes the element path.
+template <class T>
+TRIATTN_HOST_DEVICE void load_row(const scaled_accessor<T>& a, const std::byte* row, int n, float* out) {
+  constexpr int per_vec = static_cast<int>(16 / sizeof(T));
+#if defined(__CUDA_ARCH__)
+  const bool vectors = reinterpret_cast<std::uintptr_t>(row) % 16 == 0 && n % per_vec == 0;
+#else
+  const bool vectors = false;
+#endif
+  if (!vectors) {
+    a.load(row, n, out);
     return;
   }
+#if defined(__CUDA_ARCH__)
   const auto* vec = reinterpret_cast<const uint4*>(row);
-  const int per_vec = static_cast<int>(16 / dtype_bytes(t));
   for (int v = 0; v < n / per_vec; ++v) {
     const uint4 x = __ldg(vec + v);
-    const std::uint32_t words[4] = {x.x, x.y, x.z, x.w};
-    float* o = out + v * per_vec;
-    for (int w = 0; w < 4; ++w) {
-      if (t == dtype::f32) {
-        o[w] = ::TRIATTN_NAMESPACE::detail::bits_float(words[w]);
-      } else {
-        const auto lo = static_cast<std::uint16_t>(words[w] & 0xffffu);
-        const auto hi = static_cast<std::uint16_t>(words[w] >> 16);
-        o[2 * w] = t == dtype::f16 ? half_bits_to_float(lo) : bf16_bits_to_float(lo);
-        o[2 * w + 1] = t == dtype::f16 ? half_bits_to_float(hi) : bf16_bits_to_float(hi);
-      }
-    }
+    T elements[per_vec];
+    memcpy(elements, &x, sizeof x);
+    for (int e = 0; e < per_vec; ++e) out[v * per_vec + e] = to_float(elements[e]) * a.scale;
   }
+#endif
+}
+/// A run-time element type: one dispatch per row, then the typed loads.
+TRIATTN_HOST_DEVICE void load_row(const dtype_accessor& a, const std::byte* row, int n, float* out) {
+  visit_dtype(a.type, [&]<class T>() { load_row(scaled_accessor<T>{a.scale}, row, n, out); });
+}
+/// An engine's own accessor (a view's `key_accessor` hook): its own `load`.
+template <class Accessor>
+__device__ void load_row(const Accessor& a, const std::byte* row, int n, float* out) {
+  a.load(row, n, out);
+}
+
+/// Key row (l, h, s) of `view` as floats (scaled) into `out` [head_dim], through the view's accessor.
+template <KVCacheView V>
+__device__ void load_key_row(const V& view, int l, int h, std::int64_t s, float* out) {
+  load_row(key_accessor_of(view, l), view.key(l, h, s), view.geometry().head_dim, out);
+}
+/// Value row (l, h, s) of `view` as floats (scaled) into `out` [head_dim].
+template <KVCacheView V>
+__device__ void load_value_row(const V& view, int l, int h, std::int64_t s, float* out) {
+  load_row(value_accessor_of(view, l), view.value(l, h, s), view.geometry().head_dim, out);
+}
+
+/// Element `d` of key row `key` (scaled), for kernels that walk a key element by element (tiles,
+/// dot products). Decodes by `kv_geometry::type` and `k_scale`, as the built-in views' accessors do.
+__device__ inline float key_element(const std::byte* key, const kv_geometry& g, int d) {
+  return load_element(key, g.type, static_cast<std::size_t>(d)) * g.k_scale;
 }
 #endif
 

@@ -37,22 +37,14 @@ struct device_slot_states {
 
 /// The keep plan of a batch in device memory: (sequence b, layer l, kv_head h) keeps
 /// `kept[r]` slots, `keep[r * stride, r * stride + kept[r])` ascending, r = (b * layers + l)
-/// * kv_heads + h. `select_keep` writes exactly this layout.
+/// * kv_heads + h. `plan_round` (round.cuh) and `select_keep` write exactly this layout.
 struct device_keep_plan {
-  const std::int32_t* keep = nullptr;  ///< [batch, layers, kv_heads, stride]
-  const std::int32_t* kept = nullptr;  ///< [batch, layers, kv_heads]
+  std::int32_t* keep = nullptr;  ///< [batch, layers, kv_heads, stride]
+  std::int32_t* kept = nullptr;  ///< [batch, layers, kv_heads]
   std::int32_t stride = 0;
 };
 
 namespace detail {
-
-/// Row r of a batch plan as (sequence, layer, kv_head).
-struct segment_id {
-  int b, l, h;
-};
-TRIATTN_HOST_DEVICE segment_id segment_of(int r, const kv_geometry& g) {
-  return {r / (g.num_layers * g.num_kv_heads), (r / g.num_kv_heads) % g.num_layers, r % g.num_kv_heads};
-}
 
 /// Checks every row of the plan (ascending, inside [0, length), a length within capacity) and
 /// that every row it moves is aligned to `unit` bytes.
@@ -181,7 +173,7 @@ cudaError_t launch_compact(const view_batch<V>& batch, const device_keep_plan& p
 /// [0, length), at most `stride` per row); a bad plan, or a `status` word that is already not
 /// `ok` (a failed scoring of the same round), leaves everything untouched and `status` says
 /// why. K and V rows move in 16-byte units when head_dim x element size allows it (else 8, 4
-/// or 2), which needs rows aligned to that unit, as cudaMalloc'd pools and dense caches with
+/// or 2: head_dim is even, so a 1-byte fp8 row of head_dim bytes always has a unit), which needs rows aligned to that unit, as cudaMalloc'd pools and dense caches with
 /// such strides are; a plan that would move a misaligned row fails the round
 /// (`misaligned_rows`) and moves nothing.
 template <KVCacheView V>

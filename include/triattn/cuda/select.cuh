@@ -26,14 +26,18 @@ TRIATTN_NAMESPACE_BEGIN
 namespace cuda {
 
 /// The rows a selection reads. Segment s holds `lengths[s]` valid slots of the row
-/// `scores + s * capacity`; `positions` [count, capacity] are read only when
-/// `protection::prompt_length` > 0 and may be null otherwise.
+/// `scores + s * capacity`; `positions` [count, capacity] are read only when a segment's
+/// `protection::prompt_length` > 0 and may be null otherwise. `budgets` and `protections`,
+/// when set, give each segment its own keep count (clamped to [0, the call's budget]) and
+/// protection, as a round's decisions have (round.cuh); null: the call's for every segment.
 struct select_segments {
-  const float* scores = nullptr;           ///< [count, capacity]
-  const std::int32_t* lengths = nullptr;   ///< [count]
-  const std::int32_t* positions = nullptr; ///< [count, capacity], or null
+  const float* scores = nullptr;              ///< [count, capacity]
+  const std::int32_t* lengths = nullptr;      ///< [count]
+  const std::int32_t* positions = nullptr;    ///< [count, capacity], or null
   int count = 0;
   std::int64_t capacity = 0;
+  const std::int32_t* budgets = nullptr;      ///< [count], or null
+  const protection* protections = nullptr;    ///< [count], or null
 };
 
 namespace detail {
@@ -58,8 +62,9 @@ __global__ void __launch_bounds__(Threads) select_rank_keys(select_segments seg,
   }
   for (std::int64_t j = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; j < n;
        j += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t position = prot.prompt_length > 0 ? seg.positions[row + j] : j;
-    const bool kept_anyway = is_protected(prot, j, n, position);
+    const protection& p = seg.protections != nullptr ? seg.protections[s] : prot;
+    const std::int64_t position = p.prompt_length > 0 ? seg.positions[row + j] : j;
+    const bool kept_anyway = is_protected(p, j, n, position);
     keys[row + j] = static_cast<std::uint64_t>(rank_key(seg.scores[row + j], kept_anyway)) << slot_bits |
                     static_cast<std::uint64_t>(j);
   }
@@ -72,7 +77,9 @@ __global__ void __launch_bounds__(Threads) select_take_first(select_segments seg
                                                              std::int32_t* kept, int* begin, int* end) {
   const int s = static_cast<int>(blockIdx.x);
   const std::int32_t n = seg.lengths[s];
-  const std::int32_t k = n < budget ? n : budget;
+  std::int32_t cap = seg.budgets != nullptr ? seg.budgets[s] : budget;
+  cap = cap < 0 ? 0 : (cap > budget ? budget : cap);
+  const std::int32_t k = n < cap ? n : cap;
   const std::int64_t row = static_cast<std::int64_t>(s) * seg.capacity;
   const std::int64_t out = static_cast<std::int64_t>(s) * budget;
   for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < k; i += static_cast<std::int32_t>(blockDim.x))
@@ -87,7 +94,7 @@ __global__ void __launch_bounds__(Threads) select_take_first(select_segments seg
 }  // namespace detail
 
 /// Keep sets of every segment: `keep` [count, budget] receives, for segment s, its
-/// min(budget, lengths[s]) kept slots ascending in `keep[s * budget, s * budget + kept[s])`;
+/// min(budget or `seg.budgets[s]`, lengths[s]) kept slots ascending in `keep[s * budget, s * budget + kept[s])`;
 /// `kept` [count] the number. Entries past `kept[s]` are not written.
 inline cudaError_t select_keep(void* workspace, std::size_t& workspace_bytes, const select_segments& seg,
                                const protection& prot, std::int32_t budget, std::int32_t* keep, std::int32_t* kept,
@@ -123,8 +130,8 @@ inline cudaError_t select_keep(void* workspace, std::size_t& workspace_bytes, co
   if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
   if (keep == nullptr || kept == nullptr || seg.scores == nullptr || seg.lengths == nullptr)
     return detail::reject(api, "scores, lengths, keep and kept must not be null");
-  if (prot.prompt_length > 0 && seg.positions == nullptr)
-    return detail::reject(api, "prompt_length ", prot.prompt_length, " needs the slots' positions, which are null");
+  if ((prot.prompt_length > 0 || seg.protections != nullptr) && seg.positions == nullptr)
+    return detail::reject(api, "a prompt_length (or per-segment protections) needs the slots' positions, which are null");
 
   constexpr int threads = 256;
   const unsigned row_blocks = detail::blocks_for(seg.capacity, threads);

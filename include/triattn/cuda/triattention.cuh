@@ -1,17 +1,16 @@
 /// \file triattn/cuda/triattention.cuh
-/// \brief TriAttention on the GPU: the folded scorer over every layer and head of a batch,
-/// then the round's decision (z-score, GQA and layer reduction, selection) and, through
-/// `compact`, the in-place gather.
+/// \brief TriAttention on the GPU: the folded scorer over every layer and head of a batch, as
+/// the device scorer of `plan_round` (round.cuh), which does the rest of the round.
 ///
-/// A round is four launches plus the selection's sorts:
+/// Scoring is four launches:
 /// 1. coefficients: c_f [batch, layers, q_heads, sets, bands] and e_f [batch, layers, q_heads,
 ///    bands] from the calibrated stats and each sequence's round start, once per round, on the
 ///    device (one thread per band: phasors in double, as the CPU forms them);
 /// 2. scores: one thread per (sequence, layer, kv_head, slot) reads its key once with 16-byte
-///    loads, decodes f16/bf16 to fp32, forms the bands and |K_f| once for the GQA group and
-///    writes one score per q-head, accumulating in fp32;
+///    loads, decodes f16/bf16/fp8 to fp32 (times k_scale), forms the bands and |K_f| once for
+///    the GQA group and writes one score per q-head, accumulating in fp32;
 /// 3. z-scores per (sequence, layer, q_head) row over the candidate slots (double sums);
-/// 4. the GQA reduction and the layer mean into one row per selection segment.
+/// 4. the GQA reduction into one row per (sequence, layer, kv_head).
 /// Every formula is triattention_math.hpp's: the CPU scorer calls the same functions.
 #pragma once
 
@@ -24,10 +23,10 @@
 #include "triattn/calibration/query_stats.hpp"
 #include "triattn/core/config.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/cuda/common.cuh"
-#include "triattn/cuda/compact.cuh"
-#include "triattn/cuda/select.cuh"
+#include "triattn/cuda/round.cuh"
 #include "triattn/policies/triattention.hpp"
 #include "triattn/policies/triattention_math.hpp"
 
@@ -93,9 +92,10 @@ __global__ void __launch_bounds__(Threads)
   const std::int64_t t = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
   if (t >= rows * F) return;
   const int f = static_cast<int>(t % F);
-  const std::int64_t row = t / F;                               // (b * layers + l) * q_heads + qh
-  const std::int64_t stats_row = row % (std::int64_t{g.num_layers} * g.num_q_heads);  // (l, qh)
-  const int b = static_cast<int>(row / (std::int64_t{g.num_layers} * g.num_q_heads));
+  const std::int64_t row = t / F;  // (b * layers + l) * q_heads + qh
+  const segment_id id = segment_of(row, g.num_layers, g.num_q_heads);
+  const std::int64_t stats_row = std::int64_t{id.l} * g.num_q_heads + id.h;
+  const int b = id.b;
   const double wf = inv_freq(g.rope, g.head_dim, f);
   if (row == 0) w[f] = wf;
   std::int64_t offsets[max_offsets];
@@ -119,20 +119,24 @@ __global__ void __launch_bounds__(Threads)
 
 /// One thread per (sequence, layer, kv_head, slot): the key's bands once, one score per q-head
 /// of the group into `scores` [batch, layers, q_heads, capacity]. `MaxDim` bounds head_dim so
-/// that the per-thread rows have a compile-time size.
+/// that the per-thread rows have a compile-time size. In a round (`budgets` [batch] not null),
+/// a row of at most its sequence's budget is kept whole and not read: as on the CPU, only a
+/// ranked row can fail on a non-finite key.
 template <int Threads, int MaxDim, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
-    triattention_scores(view_batch<V> batch, triattention_round round, const double* w, const float* c_re,
-                        const float* c_im, const float* e, float* scores, std::int32_t* status) {
+    triattention_scores(view_batch<V> batch, triattention_round round, const std::int32_t* budgets, const double* w,
+                        const float* c_re, const float* c_im, const float* e, float* scores, std::int32_t* status) {
   const kv_geometry& g = batch.geometry;
   const int F = g.head_dim / 2, G = g.group_size();
-  const int b = static_cast<int>(blockIdx.z);
-  const int l = static_cast<int>(blockIdx.y) / g.num_kv_heads, h = static_cast<int>(blockIdx.y) % g.num_kv_heads;
+  // Grid (slot blocks, layers x kv_heads, batch): the row is (z * layers * kv_heads + y).
+  const segment_id id = segment_of(std::int64_t{blockIdx.z} * g.num_layers * g.num_kv_heads + blockIdx.y, g);
+  const int b = id.b, l = id.l, h = id.h;
   const V& view = batch.views[b];
   const std::int64_t s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
-  if (s >= view.length(l, h)) return;
+  const std::int32_t n = view.length(l, h);
+  if (s >= n || (budgets != nullptr && n <= budgets[b])) return;
   float key[MaxDim], k_re[MaxDim / 2], k_im[MaxDim / 2], k_abs[MaxDim / 2];
-  load_row(view.key(l, h, s), g.type, g.head_dim, key);
+  load_key_row(view, l, h, s, key);
   bool finite = true;
   for (int d = 0; d < g.head_dim; ++d) finite = finite && isfinite(key[d]);
   if (!finite && status != nullptr)
@@ -147,25 +151,20 @@ __global__ void __launch_bounds__(Threads)
   }
 }
 
-/// Slots that every row keeps whatever their score, as the CPU policy protects them.
-inline protection triattention_protection(const triattention_config& c) {
-  return {0, c.window, c.protect_prompt ? c.prompt_length : 0};
-}
-
-/// One block per (sequence, layer, q_head) row: z-scores it in place over its candidate slots.
-template <int Threads, KVCacheView V>
+/// One block per (sequence, layer, q_head) row: z-scores it in place over its candidate slots
+/// (those the round's protection leaves to compete).
+template <int Threads, class Scorer, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
-    triattention_normalize(view_batch<V> batch, protection prot, float* scores) {
+    triattention_normalize(view_batch<V> batch, Scorer scorer, device_round round, float* scores) {
   using reduce = cub::BlockReduce<double, Threads>;
   __shared__ typename reduce::TempStorage temp;
   __shared__ double mean_shared, count_shared, std_shared;
   const kv_geometry& g = batch.geometry;
   const std::int64_t row = blockIdx.x;  // (b * layers + l) * q_heads + qh
-  const int qh = static_cast<int>(row % g.num_q_heads);
-  const int l = static_cast<int>(row / g.num_q_heads % g.num_layers);
-  const int b = static_cast<int>(row / g.num_q_heads / g.num_layers);
-  const V& view = batch.views[b];
-  const int h = qh / g.group_size();
+  const segment_id id = segment_of(row, g.num_layers, g.num_q_heads);
+  const int l = id.l, h = id.h / g.group_size();
+  const V& view = batch.views[id.b];
+  const protection prot = sequence_rule(scorer, round, id.b).prot;
   const std::int32_t n = view.length(l, h);
   float* x = scores + row * batch.capacity;
   double sum = 0.0, count = 0.0;
@@ -191,47 +190,19 @@ __global__ void __launch_bounds__(Threads)
     x[s] = triattention_zscore(x[s], mean, std_shared);
 }
 
-/// One thread per (segment, slot): the GQA reduction of every layer in the segment, weighted
-/// by 1 / layers for a per-KV-head decision, into `out` [segments, capacity]; and the
-/// segment's length and positions for the selection. A segment is (sequence, kv_head) or
-/// (sequence, layer, kv_head).
+/// One thread per (sequence, layer, kv_head, slot): the GQA reduction of the group's q-head
+/// rows `scores` [batch, layers, q_heads, capacity] into `out` [batch, layers, kv_heads, capacity].
 template <int Threads, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
-    triattention_combine(view_batch<V> batch, bool per_layer, bool max, const float* scores, float* out,
-                         std::int32_t* lengths, std::int32_t* positions) {
+    triattention_reduce_group(view_batch<V> batch, bool max, const float* scores, float* out) {
   const kv_geometry& g = batch.geometry;
-  const int seg = static_cast<int>(blockIdx.y);
-  const int h = seg % g.num_kv_heads;
-  const int b = per_layer ? seg / g.num_kv_heads / g.num_layers : seg / g.num_kv_heads;
-  const int l0 = per_layer ? seg / g.num_kv_heads % g.num_layers : 0;  // every layer holds layer 0's slots otherwise
-  const V& view = batch.views[b];
-  const std::int32_t n = view.length(l0, h);
-  const std::int64_t s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
-  if (s == 0) lengths[seg] = n;
-  if (s >= n) return;
+  const std::int64_t row = blockIdx.x;  // (b * layers + l) * kv_heads + h
+  const segment_id id = segment_of(row, g);
+  const std::int64_t s = blockIdx.y * std::int64_t{Threads} + threadIdx.x;
+  if (s >= batch.views[id.b].length(id.l, id.h)) return;
   const int G = g.group_size();
-  const float weight = per_layer ? 1.0f : triattention_layer_weight(g.num_layers);
-  float acc = 0.0f;
-  for (int l = per_layer ? l0 : 0; l < (per_layer ? l0 + 1 : g.num_layers); ++l) {
-    const std::int64_t first = ((std::int64_t{b} * g.num_layers + l) * g.num_q_heads + h * G) * batch.capacity + s;
-    acc += triattention_group_term(scores + first, G, batch.capacity, max, weight);
-  }
-  out[seg * batch.capacity + s] = acc;
-  positions[seg * batch.capacity + s] = view.position(l0, h, s);
-}
-
-/// Copies each (sequence, kv_head) keep set to every layer: [batch, layers, kv_heads, budget].
-template <int Threads>
-__global__ void __launch_bounds__(Threads)
-    broadcast_layers(kv_geometry g, int batch, std::int32_t budget, const std::int32_t* keep,
-                     const std::int32_t* kept, std::int32_t* out_keep, std::int32_t* out_kept) {
-  const std::int64_t rows = std::int64_t{batch} * g.num_layers * g.num_kv_heads;
-  const std::int64_t t = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
-  if (t >= rows * budget) return;
-  const std::int64_t row = t / budget, i = t % budget;  // row = (b * layers + l) * kv_heads + h
-  const std::int64_t seg = row / (std::int64_t{g.num_layers} * g.num_kv_heads) * g.num_kv_heads + row % g.num_kv_heads;
-  if (i < kept[seg]) out_keep[t] = keep[seg * budget + i];
-  if (i == 0) out_kept[row] = kept[seg];
+  const std::int64_t first = ((std::int64_t{id.b} * g.num_layers + id.l) * g.num_q_heads + id.h * G) * batch.capacity;
+  out[row * batch.capacity + s] = triattention_group_term(scores + first + s, G, batch.capacity, max, 1.0f);
 }
 
 template <KVCacheView V>
@@ -280,7 +251,8 @@ triattention_buffers carve_scoring(workspace_carver& ws, const view_batch<V>& ba
 template <KVCacheView V>
 cudaError_t launch_scoring(const view_batch<V>& batch, const triattention_device_stats& stats,
                            const triattention_round& round, const std::int64_t* round_starts,
-                           const triattention_buffers& buf, float* scores, std::int32_t* status, cudaStream_t stream) {
+                           const std::int32_t* budgets, const triattention_buffers& buf, float* scores,
+                           std::int32_t* status, cudaStream_t stream) {
   constexpr int threads = 128;
   const kv_geometry& g = batch.geometry;
   const std::int64_t bands = std::int64_t{batch.size} * g.num_layers * g.num_q_heads * (g.head_dim / 2);
@@ -288,15 +260,15 @@ cudaError_t launch_scoring(const view_batch<V>& batch, const triattention_device
       g, stats, round, round_starts, batch.size, buf.w, buf.c_re, buf.c_im, buf.e);
   const dim3 grid(blocks_for(batch.capacity, threads), static_cast<unsigned>(g.num_layers * g.num_kv_heads),
                   static_cast<unsigned>(batch.size));
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(batch, round, budgets, buf.w, buf.c_re, buf.c_im, buf.e, scores, status);
+  };
   if (g.head_dim <= 64)
-    triattention_scores<threads, 64><<<grid, threads, 0, stream>>>(batch, round, buf.w, buf.c_re, buf.c_im, buf.e,
-                                                                   scores, status);
+    launch(triattention_scores<threads, 64, V>);
   else if (g.head_dim <= 128)
-    triattention_scores<threads, 128><<<grid, threads, 0, stream>>>(batch, round, buf.w, buf.c_re, buf.c_im, buf.e,
-                                                                    scores, status);
+    launch(triattention_scores<threads, 128, V>);
   else
-    triattention_scores<threads, max_head_dim><<<grid, threads, 0, stream>>>(batch, round, buf.w, buf.c_re, buf.c_im,
-                                                                             buf.e, scores, status);
+    launch(triattention_scores<threads, max_head_dim, V>);
   return cudaGetLastError();
 }
 
@@ -320,73 +292,49 @@ cudaError_t triattention_score(void* workspace, std::size_t& workspace_bytes, co
   cudaError_t err;
   if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
   if (scores == nullptr || round_starts == nullptr) return detail::reject(api, "scores and round_starts must not be null");
-  return detail::launch_scoring(batch, stats, round, round_starts, buf, scores, status, stream);
+  return detail::launch_scoring(batch, stats, round, round_starts, nullptr, buf, scores, status, stream);
 }
 
-/// A TriAttention round's keep plan for every sequence of the batch, cutting each
-/// (layer, kv_head) to `budget` slots: `keep` [batch, layers, kv_heads, budget] and `kept`
-/// [batch, layers, kv_heads], the layout `compact` reads (`device_keep_plan{keep, kept,
-/// budget}`). The decision is the CPU's `triattention::plan` for the `per_kv_head` and
-/// `per_layer_kv_head` granularities (z-score, GQA reduction, layer mean, protected prompt and
-/// window); `global_union` has no GPU path and is rejected. With `per_kv_head`, every layer of
-/// a sequence must hold the same slots (as on the CPU; not checked on the device). `status`
-/// (required) receives `non_finite_key` for a NaN or infinite key; pass it to `compact`, which
-/// then moves nothing.
-template <KVCacheView V>
-cudaError_t triattention_plan(void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
-                              const triattention_device_stats& stats, const triattention_config& config,
-                              const std::int64_t* round_starts, std::int32_t budget, std::int32_t* keep,
-                              std::int32_t* kept, std::int32_t* status, cudaStream_t stream) {
-  const char* api = "triattn::cuda::triattention_plan";
-  if (const cudaError_t err = detail::check_triattention(api, batch, stats, config); err != cudaSuccess) return err;
-  if (config.granularity == triattention_granularity::global_union)
-    return detail::reject(api, "granularity global_union has no CUDA path: use per_kv_head or per_layer_kv_head");
-  if (budget < 1) return detail::reject(api, "budget ", budget, " must be >= 1");
-  if (config.window < 0 || config.prompt_length < 0)
-    return detail::reject(api, "window ", config.window, " and prompt_length ", config.prompt_length, " must be >= 0");
-  const kv_geometry& g = batch.geometry;
-  const bool per_layer = config.granularity == triattention_granularity::per_layer_kv_head;
-  const int segments = batch.size * g.num_kv_heads * (per_layer ? g.num_layers : 1);
-  const auto cap = static_cast<std::size_t>(batch.capacity);
-  const detail::triattention_round round = detail::make_round(config, stats, g.keys);
+/// TriAttention's device scorer for `plan_round`: scores, z-scores (`config.normalize`) and
+/// reduces the GQA group (`config.gqa_reduction`) of every (sequence, layer, kv_head); its rule
+/// protects the last `config.window` slots. The granularity, the prompt's protection and the
+/// row reduction are the round's (`round_options`; `seed()`'s union is `granularity::
+/// whole_sequence` with `row_reduction::max`). Needs `round_inputs::round_starts`. A NaN or
+/// infinite key of a ranked row (longer than its sequence's budget) sets `non_finite_key`.
+struct triattention_scorer {
+  triattention_device_stats stats{};
+  triattention_config config{};
 
-  detail::workspace_carver ws(workspace);
-  const detail::triattention_buffers buf = detail::carve_scoring(ws, batch, round, true);
-  auto* seg_scores = ws.take<float>(static_cast<std::size_t>(segments) * cap);
-  auto* seg_lengths = ws.take<std::int32_t>(static_cast<std::size_t>(segments));
-  auto* seg_positions = ws.take<std::int32_t>(static_cast<std::size_t>(segments) * cap);
-  auto* seg_keep = per_layer ? keep : ws.take<std::int32_t>(static_cast<std::size_t>(segments) * budget);
-  auto* seg_kept = per_layer ? kept : ws.take<std::int32_t>(static_cast<std::size_t>(segments));
-  const select_segments seg{seg_scores, seg_lengths, seg_positions, segments, batch.capacity};
-  const protection prot = detail::triattention_protection(config);
-  std::size_t select_bytes = 0;
-  cudaError_t err = select_keep(nullptr, select_bytes, seg, prot, budget, seg_keep, seg_kept, stream);
-  if (err != cudaSuccess) return err;
-  void* select_ws = ws.take<std::byte>(select_bytes);
-  if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
-  if (keep == nullptr || kept == nullptr || round_starts == nullptr || status == nullptr)
-    return detail::reject(api, "keep, kept, round_starts and status must not be null");
+  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return {protection{0, config.window, 0}, info.budget}; }
 
-  if ((err = detail::launch_scoring(batch, stats, round, round_starts, buf, buf.scores, status, stream)) != cudaSuccess)
-    return err;
-  constexpr int threads = 256;
-  if (config.normalize) {
-    const auto rows = static_cast<unsigned>(batch.size * g.num_layers * g.num_q_heads);
-    detail::triattention_normalize<threads><<<rows, threads, 0, stream>>>(batch, prot, buf.scores);
+  template <KVCacheView V>
+  cudaError_t score(const char* api, void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
+                    const device_round& round, float* scores, std::int32_t* status, cudaStream_t stream) const {
+    if (const cudaError_t err = detail::check_triattention(api, batch, stats, config); err != cudaSuccess) return err;
+    if (config.window < 0) return detail::reject(api, "window ", config.window, " must be >= 0");
+    const kv_geometry& g = batch.geometry;
+    const detail::triattention_round tri = detail::make_round(config, stats, g.keys);
+    detail::workspace_carver ws(workspace);
+    const detail::triattention_buffers buf = detail::carve_scoring(ws, batch, tri, true);
+    cudaError_t err;
+    if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
+    if (round.in.round_starts == nullptr)
+      return detail::reject(api, "round_inputs::round_starts is null: TriAttention scores from each round start");
+    if ((err = detail::launch_scoring(batch, stats, tri, round.in.round_starts, round.in.budgets, buf, buf.scores,
+                                      status, stream)) != cudaSuccess)
+      return err;
+    constexpr int threads = 256;
+    if (config.normalize) {
+      const auto rows = static_cast<unsigned>(batch.size * g.num_layers * g.num_q_heads);
+      detail::triattention_normalize<threads><<<rows, threads, 0, stream>>>(batch, *this, round, buf.scores);
+    }
+    const dim3 grid(static_cast<unsigned>(batch.size * g.num_layers * g.num_kv_heads),
+                    detail::blocks_for(batch.capacity, threads));
+    detail::triattention_reduce_group<threads><<<grid, threads, 0, stream>>>(
+        batch, config.gqa_reduction == triattention_gqa_reduction::max, buf.scores, scores);
+    return cudaGetLastError();
   }
-  const bool max = config.gqa_reduction == triattention_gqa_reduction::max;
-  const dim3 grid(detail::blocks_for(batch.capacity, threads), static_cast<unsigned>(segments));
-  detail::triattention_combine<threads><<<grid, threads, 0, stream>>>(batch, per_layer, max, buf.scores, seg_scores,
-                                                                      seg_lengths, seg_positions);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = select_keep(select_ws, select_bytes, seg, prot, budget, seg_keep, seg_kept, stream)) != cudaSuccess)
-    return err;
-  if (per_layer) return cudaSuccess;
-  const std::int64_t items = std::int64_t{batch.size} * g.num_layers * g.num_kv_heads * budget;
-  detail::broadcast_layers<threads><<<detail::blocks_for(items, threads), threads, 0, stream>>>(
-      g, batch.size, budget, seg_keep, seg_kept, keep, kept);
-  return cudaGetLastError();
-}
+};
 
 }  // namespace cuda
 TRIATTN_NAMESPACE_END

@@ -24,32 +24,53 @@ enum class prompt_scoring : std::uint8_t {
   last_window,  ///< Scissorhands: only the last `scissorhands_window` prompt rows, each weighted 1 / window
 };
 
-/// A round's split of the budget, per (layer, kv_head).
+/// A round's split of the budget, per decision.
 struct h2o_split {
   std::int64_t recent = 0;  ///< the last slots, always kept
   std::int64_t heavy = 0;   ///< slots kept by score; the first `sinks` slots take their places first
   std::int64_t sinks = 0;   ///< at most `heavy`
 
-  /// Slots a row holding more keeps.
-  std::int64_t total() const { return recent + heavy; }
+  /// Slots a decision holding more keeps.
+  TRIATTN_HOST_DEVICE std::int64_t total() const { return recent + heavy; }
   /// The slots kept whatever their score: the sinks first, the recent window last.
-  protection protected_slots() const { return {sinks, recent, 0}; }
+  TRIATTN_HOST_DEVICE protection protected_slots() const { return {sinks, recent, 0}; }
 };
 
 /// The split of `budget` >= 1 slots given the heavy and recent counts a config resolves to
-/// (ratios already turned into counts; unset: the other part's remainder, or half the
-/// budget). The budget caps them: recent first, then heavy, then the sinks within heavy.
-/// Host arithmetic without checks: the policies validate their config first.
-inline h2o_split split_budget(std::int64_t budget, std::optional<std::int64_t> heavy,
-                              std::optional<std::int64_t> recent, std::int64_t sinks) {
+/// (ratios already turned into counts; negative: unset, then the other part's remainder, or
+/// half the budget). The budget caps them: recent first, then heavy, then the sinks within
+/// heavy. Arithmetic without checks: the policies validate their config first.
+TRIATTN_HOST_DEVICE h2o_split split_budget(std::int64_t budget, std::int64_t heavy, std::int64_t recent,
+                                           std::int64_t sinks) {
   h2o_split s;
-  const std::int64_t r = recent.value_or(heavy ? budget - *heavy : budget / 2);
+  const std::int64_t r = recent >= 0 ? recent : (heavy >= 0 ? budget - heavy : budget / 2);
   s.recent = r < 0 ? 0 : (r > budget ? budget : r);
-  const std::int64_t h = heavy.value_or(budget);
+  const std::int64_t h = heavy >= 0 ? heavy : budget;
   s.heavy = h < budget - s.recent ? h : budget - s.recent;
   s.sinks = sinks < s.heavy ? sinks : s.heavy;
   return s;
 }
+/// `split_budget` with unset parts as `std::nullopt`.
+inline h2o_split split_budget(std::int64_t budget, std::optional<std::int64_t> heavy, std::optional<std::int64_t> recent,
+                              std::int64_t sinks) {
+  return split_budget(budget, heavy.value_or(-1), recent.value_or(-1), sinks);
+}
+
+/// An H2O / VATP budget as a config describes it, in a form both paths read: counts, or ratios
+/// of the prompt length (Python's int()), negative when unset.
+struct h2o_budget {
+  std::int64_t heavy = -1, recent = -1;
+  double heavy_ratio = -1.0, recent_ratio = -1.0;
+  std::int64_t sinks = 0;
+
+  /// The split of `budget` for a prompt of `prompt_length` tokens.
+  TRIATTN_HOST_DEVICE h2o_split split(std::int64_t budget, std::int64_t prompt_length) const {
+    const auto part = [&](std::int64_t count, double ratio) {
+      return count >= 0 || ratio < 0.0 ? count : static_cast<std::int64_t>(ratio * static_cast<double>(prompt_length));
+    };
+    return split_budget(budget, part(heavy, heavy_ratio), part(recent, recent_ratio), sinks);
+  }
+};
 
 /// The weight of an observed row at `position`: 1 for every row of `every_row` scoring and
 /// for decode rows; with `last_window`, 1 / `window` for the prompt's last `window` rows and 0

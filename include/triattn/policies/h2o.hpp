@@ -13,7 +13,8 @@
 /// that saw j (kvpress ObservedAttentionPress); without it, as in the reference, old tokens are
 /// favoured: more rows saw them.
 ///
-/// **Decision**, per (layer, kv_head): a row holding more than heavy + recent slots keeps its
+/// **Decision**, per decision of the round's granularity (per (layer, kv_head) by default; the
+/// shared granularities average the rows' scores): a decision holding more than heavy + recent slots keeps its
 /// last `recent` slots, its first `sinks` slots and, up to `heavy` slots with the sinks, the
 /// best-scoring others, ties to the lower slot. A budget B splits as recent = B/2, heavy =
 /// B − B/2 unless heavy or recent are configured, as slot counts or as fractions of the prompt
@@ -36,6 +37,7 @@
 #include <numeric>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -44,6 +46,7 @@
 #include "triattn/core/error.hpp"
 #include "triattn/core/gqa.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/accumulated_math.hpp"
@@ -62,10 +65,17 @@ struct h2o_config {
   bool normalize = false;  ///< divide each sum by the rows that saw the slot (kvpress ObservedAttentionPress)
   prompt_scoring prompt = prompt_scoring::every_row;
   std::int64_t scissorhands_window = 400;  ///< prompt rows that count with `prompt_scoring::last_window`
-  schedule sched = schedule::every_step();  ///< the trigger to pass to `maybe_compress`
+  round_options round{granularity::per_layer, row_reduction::mean, budget_mode::with_prompt, false,
+                      schedule::every_step()};
+
+  /// The budget parts as both paths read them (`h2o_budget`).
+  h2o_budget budget_parts() const {
+    return {heavy.value_or(-1), recent.value_or(-1), heavy_ratio.value_or(-1.0), recent_ratio.value_or(-1.0), sinks};
+  }
 
   /// The reference's masking runs (utils_hh, the paper's accuracy numbers): heavy = recent =
-  /// int(ratio x prompt length), 20 % of the prompt by default. Needs `set_prompt_length`.
+  /// int(ratio x prompt length), 20 % of the prompt by default. Needs the round's
+  /// `round_context::prompt_length`.
   static h2o_config masking_reference(double ratio = 0.1) {
     h2o_config c;
     c.heavy_ratio = ratio;
@@ -82,7 +92,6 @@ struct accumulated_policy_names {
   const char* attach;
   const char* observe;
   const char* score;
-  const char* plan;
   const char* split;
   const char* set_prompt_length;
   const char* after_compact;
@@ -146,36 +155,20 @@ class accumulated_attention_policy : public policy_base<Derived> {
         derived().row_score(api, view, l, h, out.subspan(row, static_cast<std::size_t>(view.length(l, h))));
   }
 
-  /// Keep plan for a round with `budget` slots per (layer, kv_head), split by `split`. Throws
-  /// (and changes nothing) for budget < 1, a bad config or view, or a state attached for
-  /// another geometry or holding attention past a row's length.
+  const round_options& round() const { return config.round; }
+
+  /// The protected recent window and sinks, and the heavy + recent slots a decision keeps.
+  row_rule rule(const round_info& info) const {
+    const h2o_split sp = split_as(Derived::names.split, info.budget, info.prompt_length);
+    return {sp.protected_slots(), sp.total()};
+  }
+
+  /// Checks the config, the view and the state for a round; its rows score with `row_score`.
   template <KVCacheView V>
-  keep_plan plan(const V& view, std::int64_t budget) const {
-    const char* api = Derived::names.plan;
-    const h2o_split sp = split_as(api, budget);
+  auto begin_round(const char* api, const V& view, const round_info& info) const {
+    split_as(api, info.budget, info.prompt_length);
     check_inputs(api, view);
-    const kv_geometry& g = view.geometry();
-    const protection prot = sp.protected_slots();
-    keep_plan p(g.num_layers, g.num_kv_heads);
-    std::vector<float> scores;
-    std::vector<std::int32_t> keep;
-    for (int l = 0; l < g.num_layers; ++l) {
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        const std::int32_t n = view.length(l, h);
-        if (n <= sp.total()) {
-          keep.resize(static_cast<std::size_t>(n));
-          std::iota(keep.begin(), keep.end(), 0);
-        } else if (sp.total() == 0) {  // fractions of a short prompt can round to nothing
-          keep.clear();
-        } else {
-          scores.resize(static_cast<std::size_t>(n));
-          derived().row_score(api, view, l, h, std::span<float>(scores));
-          keep = select_keep(scores, {}, prot, sp.total());
-        }
-        p.push_row(keep);
-      }
-    }
-    return p;
+    return row_scorer<V>{&derived(), &view, api};
   }
 
   /// The per-slot state that `compress` moves with the cache.
@@ -188,16 +181,21 @@ class accumulated_attention_policy : public policy_base<Derived> {
     acc_.clear_past_length(Derived::names.after_compact, view);
   }
 
-  /// The prompt's token count: the base of ratio budgets and of `last_window` prompt scoring.
+  /// The prompt's token count for observation: the base of `last_window` prompt scoring,
+  /// which weighs rows as they are observed, before any round. (Rounds take the prompt length
+  /// from their `round_context`, like every policy's.)
   void set_prompt_length(std::int64_t n) {
     TRIATTN_CHECK(n >= 0, Derived::names.set_prompt_length, "prompt length ", n, " must be >= 0");
     prompt_length_ = n;
   }
   std::int64_t prompt_length() const { return prompt_length_; }
 
-  /// The split of `budget` slots per (layer, kv_head) under this config (see the file comment).
-  /// Throws for budget < 1, a bad config, or a ratio budget without a prompt length.
-  h2o_split split(std::int64_t budget) const { return split_as(Derived::names.split, budget); }
+  /// The split of `budget` slots per decision under this config, for a prompt of
+  /// `prompt_length` tokens (see the file comment). Throws for budget < 1, a bad config, or a
+  /// ratio budget without a prompt length.
+  h2o_split split(std::int64_t budget, std::int64_t prompt_length = 0) const {
+    return split_as(Derived::names.split, budget, prompt_length);
+  }
 
  protected:
   /// The accumulated-attention (H2O) score of (layer, kv_head) into `out` [length].
@@ -209,6 +207,16 @@ class accumulated_attention_policy : public policy_base<Derived> {
  private:
   accumulated_attention acc_;
   std::int64_t prompt_length_ = 0;
+
+  template <KVCacheView V>
+  struct row_scorer {
+    const Derived* policy;
+    const V* view;
+    const char* api;
+    void score(int layer, int kv_head, std::span<const std::uint8_t>, std::span<float> out) const {
+      policy->row_score(api, *view, layer, kv_head, out);
+    }
+  };
 
   const Derived& derived() const { return static_cast<const Derived&>(*this); }
 
@@ -235,35 +243,35 @@ class accumulated_attention_policy : public policy_base<Derived> {
     acc_.check_view(api, view);
   }
 
-  h2o_split split_as(const char* api, std::int64_t budget) const {
+  h2o_split split_as(const char* api, std::int64_t budget, std::int64_t prompt_length) const {
     TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
     validate_config(api);
-    const auto part = [&](const std::optional<std::int64_t>& count, const std::optional<double>& ratio,
-                          const char* ratio_name) -> std::optional<std::int64_t> {
-      if (count || !ratio) return count;
-      TRIATTN_CHECK(prompt_length_ > 0, api, ratio_name, " ", *ratio,
-                    " is a fraction of the prompt length, which is 0: call set_prompt_length");
-      return static_cast<std::int64_t>(*ratio * static_cast<double>(prompt_length_));  // Python's int()
+    const auto check_ratio = [&](const std::optional<std::int64_t>& count, const std::optional<double>& ratio,
+                                 const char* ratio_name) {
+      TRIATTN_CHECK(count || !ratio || prompt_length > 0, api, ratio_name, " ", ratio.value_or(0.0),
+                    " is a fraction of the prompt length, which is 0: give round_context::prompt_length");
     };
-    const std::optional<std::int64_t> heavy = part(config.heavy, config.heavy_ratio, "heavy_ratio");
-    const std::optional<std::int64_t> recent = part(config.recent, config.recent_ratio, "recent_ratio");
-    return split_budget(budget, heavy, recent, config.sinks);
+    check_ratio(config.heavy, config.heavy_ratio, "heavy_ratio");
+    check_ratio(config.recent, config.recent_ratio, "recent_ratio");
+    return config.budget_parts().split(budget, prompt_length);
   }
 };
 
 }  // namespace detail
 
-/// H2O. Per (layer, kv_head) decisions; state per (layer, q-head, slot).
+/// H2O. Per (layer, kv_head) decisions by default; state per (layer, q-head, slot).
 class h2o : public detail::accumulated_attention_policy<h2o, h2o_config> {
  public:
   static constexpr detail::accumulated_policy_names names{"triattn::h2o",
                                                           "triattn::h2o::attach",
                                                           "triattn::h2o::observe",
                                                           "triattn::h2o::score",
-                                                          "triattn::h2o::plan",
                                                           "triattn::h2o::split",
                                                           "triattn::h2o::set_prompt_length",
                                                           "triattn::h2o::after_compact"};
+
+  static constexpr std::string_view name = "h2o";
+  static constexpr const char* plan_api = "triattn::h2o::plan";
 
   using accumulated_attention_policy::accumulated_attention_policy;
 

@@ -12,7 +12,13 @@
 ///     probs  [m, n] = softmax of every row, in fp32 (a fully masked row gives zeros).
 ///
 /// Keys are read through Eigen maps: a strided map straight over the cache for dense f32
-/// views, an f32 scratch copy of one (layer, kv_head) otherwise (f16/bf16 keys, paged views).
+/// post-RoPE views, an f32 scratch copy of one (layer, kv_head) otherwise (f16/bf16/fp8 keys,
+/// paged views, pre-RoPE keys).
+///
+/// **Pre-RoPE caches.** The queries are post-RoPE, so keys a `key_state::pre_rope` view stores
+/// unrotated are rotated to their positions in the scratch copy before anything compares them:
+/// the same tokens are kept whether the cache holds keys before or after RoPE (R-KV's
+/// redundancy then also compares the rotated keys, as the reference's post-RoPE cache does).
 ///
 /// **Fewer observed queries than the window.** Scoring uses the m <= w queries observed so far
 /// (a prompt shorter than w, a window filled mid-decode); the protected window stays the last w
@@ -36,6 +42,8 @@
 #include "triattn/core/config.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/rope.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/window_math.hpp"
@@ -194,9 +202,10 @@ inline void softmax_rows(row_matrix& x) {
   for (Eigen::Index i = 0; i < x.rows(); ++i) softmax_row(x.row(i).data(), x.cols());
 }
 
-/// The first `n` keys of (layer, kv_head) as an f32 [n, head_dim] matrix: a strided map over
-/// the cache for dense f32 views, else a copy into `scratch`. Throws naming `api` and the slot
-/// when a key is not finite.
+/// The first `n` keys of (layer, kv_head), post-RoPE, as an f32 [n, head_dim] matrix: a strided
+/// map over the cache for dense f32 post-RoPE views, else a copy into `scratch` (rotated to
+/// each slot's position for pre-RoPE views). Throws naming `api` and the slot when a key is not
+/// finite.
 template <KVCacheView V>
 key_map window_keys(const char* api, const V& view, int layer, int kv_head, std::int64_t n, row_matrix& scratch) {
   const kv_geometry& g = view.geometry();
@@ -210,13 +219,17 @@ key_map window_keys(const char* api, const V& view, int layer, int kv_head, std:
     return k;
   };
   if constexpr (std::is_same_v<V, dense_kv_view>) {
-    if (g.type == dtype::f32)  // rows of one (layer, kv_head) are `token` floats apart
+    if (g.type == dtype::f32 && g.k_scale == 1.0f && g.keys == key_state::post_rope)
+      // rows of one (layer, kv_head) are `token` floats apart
       return checked(key_map(reinterpret_cast<const float*>(view.key(layer, kv_head, 0)), n, g.head_dim,
                              Eigen::OuterStride<>(view.k_stride.token)));
   }
   scratch.resize(n, g.head_dim);
   for (std::int64_t s = 0; s < n; ++s) load_key(view, layer, kv_head, s, scratch.row(s).data());
-  return checked(key_map(scratch.data(), n, g.head_dim, Eigen::OuterStride<>(g.head_dim)));
+  const key_map k = checked(key_map(scratch.data(), n, g.head_dim, Eigen::OuterStride<>(g.head_dim)));
+  if (g.keys == key_state::pre_rope)
+    for (std::int64_t s = 0; s < n; ++s) rope_rotate(g.rope, scratch.row(s).data(), g.head_dim, view.position(layer, kv_head, s));
+  return k;
 }
 
 /// Error prefixes of a window policy's calls ("triattn::snapkv::plan", ...).
@@ -224,7 +237,6 @@ struct window_policy_names {
   const char* attach;
   const char* observe;
   const char* score;
-  const char* plan;
 };
 
 /// What a window policy scores for one (layer, kv_head) holding n > window slots.
@@ -243,9 +255,9 @@ struct window_inputs {
 /// `validate_config(api)` and `score_prefix(const window_inputs&, std::span<float> out)`
 /// writing the scores of the prefix slots [0, n - window).
 ///
-/// Every (layer, kv_head) keeps its last `window` slots (score +inf, counted in the budget)
-/// and the best-scoring of the older ones; ties go to the lower slot. Rows that already fit
-/// the budget are neither read nor scored.
+/// Every decision keeps its last `window` slots (protected, counted in the budget) and the
+/// best-scoring of the older ones; ties go to the lower slot. Decisions that already fit the
+/// budget are neither read nor scored (the round pipeline, core/round.hpp).
 template <class Derived>
 class window_policy : public policy_base<Derived> {
  public:
@@ -290,36 +302,17 @@ class window_policy : public policy_base<Derived> {
                   sc);
   }
 
-  /// Keep plan cutting every (layer, kv_head) of `view` to `budget` slots: the last `window`
-  /// slots (the oldest of them when budget < window), then the best-scoring older slots.
-  /// Throws `triattn::error` (nothing changed) for budget < 1, a malformed view, a view the
-  /// policy was not attached to, non-finite keys or a missing window.
+  const round_options& round() const { return derived().config.round; }
+
+  /// The last `window` slots are protected (the oldest of them when budget < window).
+  row_rule rule(const round_info& info) const { return {protection{0, derived().window_size(), 0}, info.budget}; }
+
+  /// Checks the config, the view and the attached window for a round; its rows are scored by
+  /// the policy's `score_prefix` (the window slots, protected, score +inf).
   template <KVCacheView V>
-  keep_plan plan(const V& view, std::int64_t budget) const {
-    const char* api = Derived::names.plan;
-    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+  auto begin_round(const char* api, const V& view, const round_info&) const {
     check_ready(api, view);
-    const kv_geometry& g = view.geometry();
-    keep_plan p(g.num_layers, g.num_kv_heads);
-    const protection window_slots{0, derived().window_size(), 0};
-    scratch sc;
-    std::vector<float> scores;
-    std::vector<std::int32_t> all;
-    for (int l = 0; l < g.num_layers; ++l) {
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        const std::int32_t n = view.length(l, h);
-        if (n <= budget) {
-          all.resize(static_cast<std::size_t>(n));
-          std::iota(all.begin(), all.end(), 0);
-          p.push_row(all);
-          continue;
-        }
-        scores.resize(static_cast<std::size_t>(n));
-        score_row(api, view, l, h, scores, sc);
-        p.push_row(select_keep(scores, {}, window_slots, budget));
-      }
-    }
-    return p;
+    return row_scorer<V>{this, &view, api, {}};
   }
 
   /// The kept queries.
@@ -333,6 +326,17 @@ class window_policy : public policy_base<Derived> {
   struct scratch {
     row_matrix keys, queries;
     std::vector<std::int32_t> key_positions, query_positions;
+  };
+
+  template <KVCacheView V>
+  struct row_scorer {
+    const window_policy* policy;
+    const V* view;
+    const char* api;
+    scratch sc;
+    void score(int layer, int kv_head, std::span<const std::uint8_t>, std::span<float> out) {
+      policy->score_row(api, *view, layer, kv_head, out, sc);
+    }
   };
 
   const Derived& derived() const { return static_cast<const Derived&>(*this); }

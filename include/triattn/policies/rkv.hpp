@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string_view>
 
 #include "triattn/core/config.hpp"
 #include "triattn/core/error.hpp"
@@ -134,6 +135,8 @@ inline void rkv_scores_from_logits(std::span<const float> logits, int group, int
 
 class rkv : public window_policy<rkv> {
  public:
+  static constexpr std::string_view name = "rkv";
+  static constexpr const char* plan_api = "triattn::rkv::plan";
   rkv_config config;
 
   rkv() = default;
@@ -141,8 +144,7 @@ class rkv : public window_policy<rkv> {
 
  private:
   friend class window_policy<rkv>;
-  static constexpr window_policy_names names{"triattn::rkv::attach", "triattn::rkv::observe", "triattn::rkv::score",
-                                             "triattn::rkv::plan"};
+  static constexpr window_policy_names names{"triattn::rkv::attach", "triattn::rkv::observe", "triattn::rkv::score"};
 
   int window_size() const { return config.window; }
   void validate_config(const char* api) const { detail::validate_rkv_config(api, config); }

@@ -21,10 +21,11 @@
 /// G = 1 it is the reference exactly. Its `score` is that merge order as a number, −(r·G + i)
 /// for a slot first picked by the group's i-th q-head at rank r (exact below 2^24 slots x G).
 ///
-/// **When.** The reference runs once, at the end of prefill (`once_after_prefill`); the
+/// **When.** The reference runs once, at the end of prefill: the default schedule is
+/// `schedule::once_after_prompt()` (`maybe_compress` with the round's prompt length); the
 /// decode-time variant the TriAttention paper compares against (`decode()`) compresses every
 /// 128 generated tokens, here the slack schedule: when the cache reaches budget + 128, cut it
-/// to budget (prompt included). `should_compress` answers both.
+/// to budget (prompt included).
 ///
 /// **Differences from the reference code** (all in favour of fp32): probabilities and votes
 /// stay fp32 (the reference casts the softmax back to the model dtype before summing); ties go
@@ -37,6 +38,7 @@
 #include <limits>
 #include <numeric>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "triattn/core/config.hpp"
@@ -109,27 +111,17 @@ inline void snapkv_scores_from_probs(std::span<const float> probs, int group, in
 
 class snapkv : public window_policy<snapkv> {
  public:
+  static constexpr std::string_view name = "snapkv";
+  static constexpr const char* plan_api = "triattn::snapkv::plan";
   snapkv_config config;
 
   snapkv() = default;
   explicit snapkv(snapkv_config c) : config(c) { detail::validate_snapkv_config("triattn::snapkv", config); }
 
-  /// Whether a round is due for a cache of `length` slots when the next token has position
-  /// `position` and the prompt held `prompt_length` tokens: `once_after_prefill` right after
-  /// the prompt (position == prompt_length) if it exceeds the budget; `every` by `sched`.
-  bool should_compress(std::int64_t length, std::int64_t budget, std::int64_t position,
-                       std::int64_t prompt_length) const {
-    const char* api = "triattn::snapkv::should_compress";
-    detail::validate_snapkv_config(api, config);
-    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
-    if (config.trigger == snapkv_trigger::every) return config.sched.should_compress(length, budget, position);
-    return position == prompt_length && length > budget;
-  }
-
  private:
   friend class window_policy<snapkv>;
   static constexpr window_policy_names names{"triattn::snapkv::attach", "triattn::snapkv::observe",
-                                             "triattn::snapkv::score", "triattn::snapkv::plan"};
+                                             "triattn::snapkv::score"};
 
   int window_size() const { return config.window; }
   void validate_config(const char* api) const { detail::validate_snapkv_config(api, config); }

@@ -1,14 +1,18 @@
 /// \file triattn/policies/streaming_llm.hpp
 /// \brief StreamingLLM (Xiao et al. 2023): attention sinks plus a recent window.
 ///
-/// Keeps the first `sinks` slots and the last `budget - sinks` slots of every (layer,
-/// kv_head); reads no scores, only slot order. With `reposition`, survivors are renumbered
+/// Keeps the first `sinks` slots and the last `budget - sinks` slots of every decision; reads
+/// no scores, only slot order: its rule protects exactly what it keeps, so the round pipeline
+/// never asks it for a score. With `reposition`, survivors are renumbered
 /// to their slot index and post-RoPE keys are re-rotated accordingly (the paper's pos_shift
 /// mode: relative distances become distances within the cache). The engine must then rotate
 /// the next query at position `length` instead of its position in the text.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <span>
+#include <string_view>
 #include <vector>
 
 #include "triattn/core/compaction.hpp"
@@ -16,6 +20,7 @@
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/rope.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/policies/policy.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
@@ -23,43 +28,40 @@ TRIATTN_NAMESPACE_BEGIN
 struct streaming_llm_config {
   std::int64_t sinks = 4;   ///< attention sinks always kept (the paper's "four initial tokens")
   bool reposition = false;  ///< renumber survivors to positions within the cache (pos_shift)
+  round_options round{granularity::per_layer, row_reduction::mean, budget_mode::with_prompt, false,
+                      schedule::every_step()};
 };
 
-/// Slot kept at output index i when `n` slots are cut to `budget` with `sinks` sinks: the
-/// index-only rule, shared by the CPU and CUDA paths. Requires i < min(budget, n).
-TRIATTN_HOST_DEVICE std::int64_t streaming_keep_slot(std::int64_t i, std::int64_t n, std::int64_t budget,
-                                                     std::int64_t sinks) {
-  if (n <= budget) return i;
+/// StreamingLLM's rule for a round of `budget` slots: the first min(sinks, budget) slots and
+/// the most recent rest are protected, which fills the budget. Shared by the CPU and CUDA paths.
+TRIATTN_HOST_DEVICE row_rule streaming_rule(std::int64_t sinks, std::int64_t budget) {
   const std::int64_t s = sinks < budget ? sinks : budget;
-  return i < s ? i : n - (budget - s) + (i - s);
+  return {protection{s, budget - s, 0}, budget};
 }
 
 class streaming_llm : public policy_base<streaming_llm> {
  public:
+  static constexpr std::string_view name = "streaming_llm";
+  static constexpr const char* plan_api = "triattn::streaming_llm::plan";
   streaming_llm_config config;
 
   streaming_llm() = default;
-  explicit streaming_llm(streaming_llm_config c) : config(c) {
-    TRIATTN_CHECK(c.sinks >= 0, "triattn::streaming_llm", "sinks ", c.sinks, " must be >= 0");
-  }
+  explicit streaming_llm(streaming_llm_config c) : config(c) { validate_config("triattn::streaming_llm"); }
 
-  /// Keep plan: per (layer, kv_head), the sinks and the most recent slots.
-  template <KVCacheView V>
-  keep_plan plan(const V& view, std::int64_t budget) const {
-    TRIATTN_CHECK(budget >= 1, "triattn::streaming_llm::plan", "budget ", budget, " must be >= 1");
-    const kv_geometry& g = view.geometry();
-    keep_plan p(g.num_layers, g.num_kv_heads);
-    std::vector<std::int32_t> keep;
-    for (int l = 0; l < g.num_layers; ++l) {
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        const std::int64_t n = view.length(l, h);
-        keep.resize(static_cast<std::size_t>(n < budget ? n : budget));
-        for (std::size_t i = 0; i < keep.size(); ++i)
-          keep[i] = static_cast<std::int32_t>(streaming_keep_slot(static_cast<std::int64_t>(i), n, budget, config.sinks));
-        p.push_row(keep);
-      }
+  const round_options& round() const { return config.round; }
+
+  row_rule rule(const round_info& info) const { return streaming_rule(config.sinks, info.budget); }
+
+  /// Never asked for a score (the rule protects the whole budget); every slot scores 0.
+  struct row_scorer {
+    void score(int, int, std::span<const std::uint8_t>, std::span<float> out) const {
+      std::fill(out.begin(), out.end(), 0.0f);
     }
-    return p;
+  };
+  template <KVCacheView V>
+  row_scorer begin_round(const char* api, const V&, const round_info&) const {
+    validate_config(api);
+    return {};
   }
 
   /// With `reposition`: slot i now holds position i; post-RoPE keys are rotated to match.
@@ -82,6 +84,11 @@ class streaming_llm : public policy_base<streaming_llm> {
         }
       }
     }
+  }
+
+ private:
+  void validate_config(const char* api) const {
+    TRIATTN_CHECK(config.sinks >= 0, api, "sinks ", config.sinks, " must be >= 0");
   }
 };
 

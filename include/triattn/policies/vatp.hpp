@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "triattn/core/config.hpp"
@@ -37,7 +38,7 @@ struct vatp_config : h2o_config {
   vatp_config() { sinks = 4; }
 
   /// The reference's `--h2o --apval` runs: heavy = recent = int(ratio x prompt length), with
-  /// `sink_len` sinks. Needs `set_prompt_length`.
+  /// `sink_len` sinks. Needs the round's `round_context::prompt_length`.
   static vatp_config h2o_setting(double ratio = 0.25, std::int64_t sink_len = 20) {
     vatp_config c;
     c.heavy_ratio = ratio;
@@ -58,17 +59,19 @@ struct vatp_config : h2o_config {
   }
 };
 
-/// VATP. Per (layer, kv_head) decisions; state per (layer, q-head, slot).
+/// VATP. Per (layer, kv_head) decisions by default; state per (layer, q-head, slot).
 class vatp : public detail::accumulated_attention_policy<vatp, vatp_config> {
  public:
   static constexpr detail::accumulated_policy_names names{"triattn::vatp",
                                                           "triattn::vatp::attach",
                                                           "triattn::vatp::observe",
                                                           "triattn::vatp::score",
-                                                          "triattn::vatp::plan",
                                                           "triattn::vatp::split",
                                                           "triattn::vatp::set_prompt_length",
                                                           "triattn::vatp::after_compact"};
+
+  static constexpr std::string_view name = "vatp";
+  static constexpr const char* plan_api = "triattn::vatp::plan";
 
   using accumulated_attention_policy::accumulated_attention_policy;
 

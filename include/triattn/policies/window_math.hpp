@@ -1,6 +1,7 @@
 /// \file triattn/policies/window_math.hpp
 /// \brief The per-element formulas of the window-scored policies (SnapKV, R-KV), shared by
-/// the CPU path (query_window.hpp, snapkv.hpp, rkv.hpp) and the CUDA path (cuda/window.cuh).
+/// the CPU path (query_window.hpp, snapkv.hpp, rkv.hpp) and the CUDA path
+/// (cuda/window_attention.cuh, cuda/snapkv.cuh, cuda/rkv.cuh).
 ///
 /// Each function computes one element (one (query, key) logit, one softmax entry, one cell of
 /// R-KV's similarity matrix); the CPU loops over them around its Eigen products and the GPU

@@ -1,0 +1,324 @@
+/// \file triattn/core/round.hpp
+/// \brief The one CPU round pipeline every policy runs through: score, reduce by granularity,
+/// protect, select, plan, compact. A policy only scores.
+///
+/// **A policy is a scorer** (`round_scorer`). It provides:
+/// - `round()`: its `round_options` (granularity, budget semantics, prompt protection,
+///   row reduction, schedule), normally `config.round`;
+/// - `begin_round(api, view, info)`: validates everything the round needs (config, state,
+///   stats against the view), throwing `triattn::error` naming `api`, and returns a *row
+///   scorer* `r` whose `r.score(layer, kv_head, candidate, out)` writes one score per slot of
+///   that (layer, kv_head) into `out` [length], after the policy's own GQA reduction and
+///   per-row normalisation (`candidate` [length]: 1 where the slot competes, 0 where it is
+///   protected; normalisations use only the candidates);
+/// - optionally `rule(info)`: its own protected slots (sinks, recent window) and how many slots
+///   a decision keeps, at most the budget (H2O's heavy + recent); default: none, the budget.
+///
+/// Optional hooks, found by `requires`, as before: `state()` (per-slot arrays that move with
+/// the cache), `after_compact(view, plan)`.
+///
+/// **The pipeline** (`plan_round`), for one sequence:
+/// 1. checks the budget, the view, and the policy (`begin_round`); resolves the round start;
+/// 2. groups the (layer, kv_head) rows into decisions (`granularity.hpp`); rows that share a
+///    decision must hold the same positions in the same slots;
+/// 3. per decision: the protected slots (the policy's rule, plus the prompt when protected or
+///    kept beyond the budget); a decision whose protected slots or length fit what it keeps
+///    is settled without scoring; otherwise each row is scored and folded into one score
+///    per slot (`fold_row_score`: mean or max of the rows, in row order);
+/// 4. `select_keep`: protected slots first, then the best of the rest, ties to the lower slot,
+///    ascending; the keep set goes to every row of the decision.
+/// `compress` then compacts K, V, positions and the policy's state with that plan. Nothing
+/// moves until every check and every score of the round has succeeded.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "triattn/core/compaction.hpp"
+#include "triattn/core/config.hpp"
+#include "triattn/core/error.hpp"
+#include "triattn/core/granularity.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/schedule.hpp"
+#include "triattn/core/selection.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// What the engine knows about a round that the cache does not hold. One struct for every
+/// policy: the same facts reach TriAttention, H2O and SnapKV the same way.
+struct round_context {
+  /// The position of the next token (the round start). Negative: 1 + the largest position
+  /// the cache holds. Given, it must be above every cached position.
+  std::int64_t position = -1;
+  /// The prompt's token count: slots holding positions [0, prompt_length) are the prompt.
+  std::int64_t prompt_length = 0;
+};
+
+/// What the budget counts when a prompt exists.
+enum class budget_mode : std::uint8_t {
+  with_prompt,    ///< the budget counts every kept token, the prompt's too (TriAttention paper, R-KV)
+  beyond_prompt,  ///< the prompt is always kept, on top of the budget (TensorRT-LLM)
+};
+
+/// How a policy's rounds decide, shared by every policy (each config has one as `round`).
+struct round_options {
+  granularity grain = granularity::per_layer;
+  row_reduction reduction = row_reduction::mean;  ///< how the rows of a shared decision combine
+  budget_mode budget = budget_mode::with_prompt;
+  bool protect_prompt = false;  ///< keep the prompt's slots (counted in the budget unless beyond_prompt)
+  schedule sched = schedule::with_slack(128);  ///< when `maybe_compress` runs a round
+};
+
+/// A round as the policy sees it: the resolved round start, the prompt, the caller's budget.
+struct round_info {
+  std::int64_t round_start = 0;
+  std::int64_t prompt_length = 0;
+  std::int64_t budget = 0;
+};
+
+/// A policy's own protection and keep count for one decision (`rule`).
+struct row_rule {
+  protection prot{};       ///< sinks and recent window (prompt protection is added by the pipeline)
+  std::int64_t keep = 0;   ///< slots a decision keeps, <= the budget (0 keeps nothing)
+};
+
+/// A policy the round pipeline can run on views of type `V` (see the file comment).
+template <class P, class V>
+concept round_scorer = KVCacheView<V> && requires(const P& p, const V& v, const round_info& info) {
+  { p.round() } -> std::convertible_to<const round_options&>;
+  p.begin_round("api", v, info);
+};
+
+namespace detail {
+
+/// The largest position any slot of `view` holds, or -1 for an empty cache.
+template <KVCacheView V>
+std::int64_t largest_position(const V& view) {
+  std::int64_t last = -1;
+  const kv_geometry& g = view.geometry();
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h)
+      for (std::int32_t s = 0; s < view.length(l, h); ++s) last = std::max<std::int64_t>(last, view.position(l, h, s));
+  return last;
+}
+
+/// Shared decisions apply one index set to several rows, which is only meaningful when those
+/// rows hold the same positions in the same slots.
+template <KVCacheView V>
+void check_shared_rows(const char* api, const V& view, const decision_map& map) {
+  for (int d = 0; d < map.decisions(); ++d) {
+    int l0, h0;
+    map.row(d, 0, l0, h0);
+    for (int r = 1; r < map.rows(); ++r) {
+      int l, h;
+      map.row(d, r, l, h);
+      const std::int32_t n = view.length(l, h), n0 = view.length(l0, h0);
+      TRIATTN_CHECK(n == n0, api, "layer ", l, " kv_head ", h, " holds ", n, " slots but layer ", l0, " kv_head ", h0,
+                    " holds ", n0, ": ", granularity_name(map.grain),
+                    " granularity needs the rows of a decision to hold the same slots");
+      for (std::int32_t s = 0; s < n; ++s)
+        TRIATTN_CHECK(view.position(l, h, s) == view.position(l0, h0, s), api, "layer ", l, " kv_head ", h, " slot ", s,
+                      " holds position ", view.position(l, h, s), " but layer ", l0, " kv_head ", h0, " holds ",
+                      view.position(l0, h0, s), ": ", granularity_name(map.grain),
+                      " granularity needs the rows of a decision to hold the same slots");
+    }
+  }
+}
+
+template <class P>
+row_rule rule_of(const P& policy, const round_info& info) {
+  if constexpr (requires { policy.rule(info); }) {
+    return policy.rule(info);
+  } else {
+    return {protection{}, info.budget};
+  }
+}
+
+}  // namespace detail
+
+/// The round start `ctx` implies for `view`; throws naming `api` when a given position is not
+/// above every cached position.
+template <KVCacheView V>
+std::int64_t resolve_round_start(const char* api, const V& view, const round_context& ctx) {
+  const std::int64_t last = detail::largest_position(view);
+  if (ctx.position < 0) return last + 1;
+  TRIATTN_CHECK(ctx.position > last, api, "round start ", ctx.position, " must be above the largest cached position ",
+                last);
+  return ctx.position;
+}
+
+/// The keep plan of one round of `policy` over `view`: `budget` tokens per decision (the
+/// policy's rule may keep fewer; `beyond_prompt` keeps the prompt on top). Throws
+/// `triattn::error` naming `api` for budget < 1, a malformed view, a policy not ready for it,
+/// a bad context or rows that a shared decision cannot share. Changes nothing.
+template <class P, KVCacheView V>
+  requires round_scorer<P, V>
+keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const round_context& ctx = {},
+                     const char* api = "triattn::plan_round") {
+  TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+  TRIATTN_CHECK(ctx.prompt_length >= 0, api, "prompt_length ", ctx.prompt_length, " must be >= 0");
+  view.validate(api);
+  const round_options& opts = policy.round();
+  const round_info info{resolve_round_start(api, view, ctx), ctx.prompt_length, budget};
+  auto rows = policy.begin_round(api, view, info);
+
+  const kv_geometry& g = view.geometry();
+  const decision_map map{opts.grain, g.num_layers, g.num_kv_heads};
+  if (map.rows() > 1) detail::check_shared_rows(api, view, map);
+
+  const row_rule rule = detail::rule_of(policy, info);
+  protection prot = rule.prot;
+  const bool prompt_kept = opts.protect_prompt || opts.budget == budget_mode::beyond_prompt;
+  prot.prompt_length = prompt_kept ? ctx.prompt_length : 0;
+  const float weight = row_fold_weight(map.rows());
+
+  std::vector<std::vector<std::int32_t>> keep(static_cast<std::size_t>(map.decisions()));
+  std::vector<std::int32_t> positions;
+  std::vector<std::uint8_t> candidate;
+  std::vector<float> acc, row;
+  for (int d = 0; d < map.decisions(); ++d) {
+    int l0, h0;
+    map.row(d, 0, l0, h0);
+    const std::int32_t n = view.length(l0, h0);
+    positions.resize(static_cast<std::size_t>(n));
+    candidate.resize(static_cast<std::size_t>(n));
+    std::int64_t protected_slots = 0, prompt_slots = 0;
+    for (std::int32_t s = 0; s < n; ++s) {
+      positions[s] = view.position(l0, h0, s);
+      const bool p = is_protected(prot, s, n, positions[s]);
+      candidate[s] = p ? 0 : 1;
+      protected_slots += p ? 1 : 0;
+      prompt_slots += positions[s] < ctx.prompt_length ? 1 : 0;
+    }
+    const std::int64_t k = rule.keep + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
+    std::vector<std::int32_t>& out = keep[static_cast<std::size_t>(d)];
+    if (k <= 0) continue;  // a rule may keep nothing (H2O's fractions of a short prompt)
+    if (n <= k) {
+      out.resize(static_cast<std::size_t>(n));
+      std::iota(out.begin(), out.end(), 0);
+      continue;
+    }
+    acc.assign(static_cast<std::size_t>(n), row_fold_start(opts.reduction));
+    if (protected_slots < k) {  // otherwise protection alone decides: nothing to score
+      row.resize(static_cast<std::size_t>(n));
+      for (int r = 0; r < map.rows(); ++r) {
+        int l, h;
+        map.row(d, r, l, h);
+        rows.score(l, h, candidate, row);
+        for (std::int32_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction, weight);
+      }
+    }
+    out = select_keep(acc, positions, prot, k);
+  }
+
+  keep_plan plan(g.num_layers, g.num_kv_heads);
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h) plan.push_row(keep[static_cast<std::size_t>(map.decision_of(l, h))]);
+  return plan;
+}
+
+/// A policy usable with `compress`: a `round_scorer`, or a policy that builds its own plan
+/// with `plan(view, budget, ctx)` (a type-erased wrapper, an engine's experiment, or a
+/// baseline such as random eviction).
+template <class P, class V>
+concept compression_policy =
+    round_scorer<P, V> || (KVCacheView<V> && requires(P& p, const V& v, std::int64_t b, const round_context& c) {
+      { p.plan(v, b, c) } -> std::same_as<keep_plan>;
+    });
+
+namespace detail {
+template <class P, KVCacheView V>
+keep_plan plan_for(P& policy, const V& view, std::int64_t budget, const round_context& ctx, const char* api) {
+  if constexpr (round_scorer<P, V>) {
+    return plan_round(policy, view, budget, ctx, api);
+  } else {
+    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+    view.validate(api);
+    return policy.plan(view, budget, ctx);
+  }
+}
+
+template <class P, KVCacheView V>
+compaction_result apply_plan(P& policy, const V& view, const keep_plan& plan) {
+  std::vector<slot_state> states;
+  if constexpr (requires { policy.state(); }) states = policy.state();
+  compaction_result result = compact(view, plan, states);
+  if constexpr (requires { policy.after_compact(view, plan); }) policy.after_compact(view, plan);
+  return result;
+}
+}  // namespace detail
+
+/// One compression round: keeps at most `budget` tokens per decision of `view`, in place (see
+/// the file comment). Throws `triattn::error` (cache untouched) for budget < 1, a malformed
+/// view or context, or a policy not ready for the view.
+template <class P, KVCacheView V>
+  requires compression_policy<P, V>
+compaction_result compress(P& policy, const V& view, std::int64_t budget, const round_context& ctx = {}) {
+  const keep_plan plan = detail::plan_for(policy, view, budget, ctx, "triattn::compress");
+  return detail::apply_plan(policy, view, plan);
+}
+
+/// The budget `sched` compares the cache with: the budget, plus the prompt when it is kept
+/// beyond the budget (its tokens are never evicted, so all of them are in the cache).
+inline std::int64_t scheduled_budget(const round_options& opts, std::int64_t budget, const round_context& ctx) {
+  return opts.budget == budget_mode::beyond_prompt ? budget + ctx.prompt_length : budget;
+}
+
+/// Runs a round when the policy's schedule says so for a cache at `ctx.position` (the number
+/// of tokens processed so far, which must be given). Returns whether a round ran; freed pages
+/// (views with a `freed_pages` hook) are appended to `freed` if given.
+template <class P, KVCacheView V>
+  requires(compression_policy<P, V> && requires(const P& p) { p.round(); })
+bool maybe_compress(P& policy, const V& view, std::int64_t budget, const round_context& ctx,
+                    std::vector<std::int32_t>* freed = nullptr) {
+  const char* api = "triattn::maybe_compress";
+  TRIATTN_CHECK(ctx.position >= 0, api, "position ", ctx.position, " must be given (>= 0): the schedule reads it");
+  view.validate(api);  // max_length reads the lengths: check the view first
+  const round_options& opts = policy.round();
+  if (!opts.sched.should_compress(max_length(view), scheduled_budget(opts, budget, ctx), ctx.position,
+                                  ctx.prompt_length))
+    return false;
+  compaction_result r = compress(policy, view, budget, ctx);
+  if (freed != nullptr) freed->insert(freed->end(), r.freed_pages.begin(), r.freed_pages.end());
+  return true;
+}
+
+/// A round over a batch of sequences: `views[i]` cut to `budgets[i]` with `contexts[i]` (all
+/// default when `contexts` is empty), by `policy_of(i)`, the policy of sequence i (a policy
+/// with per-sequence state, such as H2O's accumulated attention, is one object per sequence).
+/// Every sequence is planned before any is compacted: when one fails, no cache has changed.
+template <class PolicyOf, KVCacheView V>
+std::vector<compaction_result> compress_batch(PolicyOf&& policy_of, std::span<const V> views,
+                                              std::span<const std::int64_t> budgets,
+                                              std::span<const round_context> contexts = {}) {
+  const char* api = "triattn::compress_batch";
+  TRIATTN_CHECK(budgets.size() == views.size(), api, "budgets holds ", budgets.size(), " entries for ", views.size(),
+                " views");
+  TRIATTN_CHECK(contexts.empty() || contexts.size() == views.size(), api, "contexts holds ", contexts.size(),
+                " entries for ", views.size(), " views");
+  std::vector<keep_plan> plans;
+  plans.reserve(views.size());
+  for (std::size_t i = 0; i < views.size(); ++i)
+    plans.push_back(detail::plan_for(policy_of(i), views[i], budgets[i], contexts.empty() ? round_context{} : contexts[i],
+                                     api));
+  std::vector<compaction_result> results;
+  results.reserve(views.size());
+  for (std::size_t i = 0; i < views.size(); ++i) results.push_back(detail::apply_plan(policy_of(i), views[i], plans[i]));
+  return results;
+}
+
+/// `compress_batch` with one policy for every sequence (a policy without per-sequence state:
+/// StreamingLLM, TriAttention).
+template <class P, KVCacheView V>
+  requires(compression_policy<P, V> && !requires(P& p) { p.state(); })
+std::vector<compaction_result> compress_batch(P& policy, std::span<const V> views, std::span<const std::int64_t> budgets,
+                                              std::span<const round_context> contexts = {}) {
+  return compress_batch([&](std::size_t) -> P& { return policy; }, views, budgets, contexts);
+}
+
+TRIATTN_NAMESPACE_END

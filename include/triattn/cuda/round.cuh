@@ -1,0 +1,262 @@
+/// \file triattn/cuda/round.cuh
+/// \brief The one GPU round pipeline every policy runs through, the device twin of
+/// core/round.hpp: score, reduce the rows of each decision by granularity, protect, select,
+/// expand into the keep plan. A policy only scores (a *device scorer*).
+///
+/// **A device scorer** `S` (streaming_llm.cuh, triattention.cuh, accumulated.cuh, snapkv.cuh,
+/// rkv.cuh) provides:
+/// - `TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const`: its own protected slots
+///   (sinks, recent window) and the slots a decision keeps, at most `info.budget`, as the CPU
+///   policy's `rule` (the pipeline adds the prompt);
+/// - `template <KVCacheView V> cudaError_t score(const char* api, void* workspace,
+///   std::size_t& workspace_bytes, const view_batch<V>& batch, const device_round& round,
+///   float* scores, std::int32_t* status, cudaStream_t stream) const`: CUB's two-phase
+///   protocol (a null workspace validates the scorer's host arguments, naming `api`, and sizes
+///   it); otherwise it enqueues kernels writing one score per slot of every (sequence, layer,
+///   kv_head) row into `scores` [batch, layers, kv_heads, capacity], after its own GQA
+///   reduction and per-row normalisation (over the slots that `rule` and the prompt leave
+///   unprotected, as on the CPU). Device failures (a non-finite key) go to `status`.
+///
+/// **The pipeline** (`plan_round`), for every sequence of a batch at once:
+/// 1. the scorer's kernels fill the score buffer;
+/// 2. one block per decision (sequence, d) folds its rows (`decision_map::row`, r = 0, 1, ...)
+///    with `fold_row_score` into one score per slot, the CPU's float; checks that the rows
+///    hold the same length and positions (else `round_status::unequal_rows`); and forms the
+///    decision's protection and keep count from the scorer's rule, the prompt and the
+///    sequence's budget (`budget_mode::beyond_prompt` adds the prompt's slots, counted with
+///    `cub::BlockReduce`);
+/// 3. `select_keep` per decision (select.cuh), with its own keep count and protection;
+/// 4. shared granularities: each decision's keep set is copied to every row it covers.
+/// `compact` (compact.cuh) then applies the plan; given the round's status word, it moves
+/// nothing when any step failed.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+
+#include "triattn/core/config.hpp"
+#include "triattn/core/granularity.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/round.hpp"
+#include "triattn/core/selection.hpp"
+#include "triattn/cuda/common.cuh"
+#include "triattn/cuda/compact.cuh"
+#include "triattn/cuda/select.cuh"
+
+TRIATTN_NAMESPACE_BEGIN
+namespace cuda {
+
+/// What a round knows per sequence beyond its cache, in device memory: the CPU's
+/// `round_context` and budget, one entry per sequence of the batch.
+struct round_inputs {
+  const std::int32_t* budgets = nullptr;         ///< [batch], each >= 1 and <= the keep plan's stride
+  const std::int64_t* round_starts = nullptr;    ///< [batch] next token positions, or null (TriAttention needs them)
+  const std::int64_t* prompt_lengths = nullptr;  ///< [batch], or null: no prompt
+};
+
+/// The round as the kernels see it (passed by value): the inputs, the decisions and how the
+/// prompt counts.
+struct device_round {
+  round_inputs in{};
+  decision_map map{};
+  row_reduction reduction = row_reduction::mean;
+  bool prompt_kept = false;    ///< the prompt's slots are protected (protect_prompt or beyond_prompt)
+  bool beyond_prompt = false;  ///< a decision keeps the prompt's slots on top of its budget
+
+  /// Sequence `b`'s round, as the CPU's `round_info`.
+  TRIATTN_HOST_DEVICE round_info info(int b) const {
+    return {in.round_starts != nullptr ? in.round_starts[b] : 0,
+            in.prompt_lengths != nullptr ? in.prompt_lengths[b] : 0, in.budgets != nullptr ? in.budgets[b] : 0};
+  }
+};
+
+/// Sequence `b`'s protection and keep count: the scorer's rule, and the prompt when it is kept.
+template <class Scorer>
+TRIATTN_HOST_DEVICE row_rule sequence_rule(const Scorer& scorer, const device_round& round, int b) {
+  const round_info info = round.info(b);
+  row_rule rule = scorer.rule(info);
+  rule.prot.prompt_length = round.prompt_kept ? info.prompt_length : 0;
+  return rule;
+}
+
+/// A scorer `plan_round` can run on views of type `V` (see the file comment).
+template <class S, class V>
+concept device_scorer =
+    KVCacheView<V> && requires(const S& s, const round_info& info, const view_batch<V>& batch, const device_round& r,
+                               void* ws, std::size_t& bytes, float* scores, std::int32_t* status, cudaStream_t stream) {
+      { s.rule(info) } -> std::same_as<row_rule>;
+      { s.score("api", ws, bytes, batch, r, scores, status, stream) } -> std::same_as<cudaError_t>;
+    };
+
+namespace detail {
+
+/// One block per decision (sequence b, decision d) = blockIdx.x: the folded scores, positions
+/// and length of the decision, its protection and keep count (see the file comment, step 2).
+template <int Threads, class Scorer, KVCacheView V>
+__global__ void __launch_bounds__(Threads)
+    round_decide(view_batch<V> batch, Scorer scorer, device_round round, std::int32_t stride, const float* scores,
+                 float* seg_scores, std::int32_t* seg_positions, std::int32_t* seg_lengths, std::int32_t* seg_budgets,
+                 protection* seg_prot, std::int32_t* status) {
+  using reduce = cub::BlockReduce<int, Threads>;
+  __shared__ typename reduce::TempStorage temp;
+  const kv_geometry& g = batch.geometry;
+  const decision_map& map = round.map;
+  const int seg = static_cast<int>(blockIdx.x);
+  const int b = seg / map.decisions(), d = seg % map.decisions();
+  const V& view = batch.views[b];
+  const std::int64_t cap = batch.capacity;
+  int l0, h0;
+  map.row(d, 0, l0, h0);
+  std::int32_t n = view.length(l0, h0);
+  if (n < 0 || n > cap) {  // the scores stop at capacity: nothing past it can be read
+    if (threadIdx.x == 0) fail_round(status, round_status::bad_keep);
+    n = 0;
+  }
+  const row_rule rule = sequence_rule(scorer, round, b);
+  const std::int64_t prompt_length = round.info(b).prompt_length;
+  const float weight = row_fold_weight(map.rows());
+  bool unequal = false;
+  int prompt_slots = 0;
+  for (int r = 1; r < map.rows() && threadIdx.x == 0; ++r) {
+    int l, h;
+    map.row(d, r, l, h);
+    unequal = unequal || view.length(l, h) != n;
+  }
+  for (std::int32_t s = static_cast<std::int32_t>(threadIdx.x); s < n; s += Threads) {
+    const std::int32_t position = view.position(l0, h0, s);
+    float acc = row_fold_start(round.reduction);
+    for (int r = 0; r < map.rows(); ++r) {  // row order: the CPU's float
+      int l, h;
+      map.row(d, r, l, h);
+      unequal = unequal || view.position(l, h, s) != position;
+      acc = fold_row_score(acc, scores[((std::int64_t{b} * g.num_layers + l) * g.num_kv_heads + h) * cap + s],
+                           round.reduction, weight);
+    }
+    seg_scores[seg * cap + s] = acc;
+    seg_positions[seg * cap + s] = position;
+    prompt_slots += position < prompt_length ? 1 : 0;
+  }
+  if (unequal) fail_round(status, round_status::unequal_rows);
+  const int prompt_total = reduce(temp).Sum(prompt_slots);  // valid in thread 0
+  if (threadIdx.x != 0) return;
+  std::int64_t k = rule.keep + (round.beyond_prompt ? prompt_total : 0);
+  if (round.info(b).budget < 1 || k > stride) {
+    fail_round(status, round_status::bad_budget);
+    k = k > stride ? stride : k;
+  }
+  seg_budgets[seg] = static_cast<std::int32_t>(k < 0 ? 0 : k);
+  seg_prot[seg] = rule.prot;
+  seg_lengths[seg] = n;
+}
+
+/// One thread per (plan row, index): decision keep sets [batch, decisions, stride] copied to
+/// every (layer, kv_head) row they cover.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    round_expand(kv_geometry g, decision_map map, int batch, const std::int32_t* seg_keep, const std::int32_t* seg_kept,
+                 device_keep_plan plan) {
+  const std::int64_t rows = std::int64_t{batch} * g.num_layers * g.num_kv_heads;
+  const std::int64_t t = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
+  if (t >= rows * plan.stride) return;
+  const std::int64_t row = t / plan.stride, i = t % plan.stride;
+  const segment_id id = segment_of(row, g);
+  const std::int64_t seg = std::int64_t{id.b} * map.decisions() + map.decision_of(id.l, id.h);
+  if (i < seg_kept[seg]) plan.keep[t] = seg_keep[seg * plan.stride + i];
+  if (i == 0) plan.kept[row] = seg_kept[seg];
+}
+
+/// Host checks of the round's options.
+inline cudaError_t check_round_options(const char* api, const round_options& o) {
+  if (o.grain != granularity::per_layer && o.grain != granularity::per_kv_head &&
+      o.grain != granularity::whole_sequence)
+    return reject(api, "granularity ", static_cast<int>(o.grain), " is not a triattn::granularity");
+  if (o.reduction != row_reduction::mean && o.reduction != row_reduction::max)
+    return reject(api, "row reduction ", static_cast<int>(o.reduction), " is not a triattn::row_reduction");
+  if (o.budget != budget_mode::with_prompt && o.budget != budget_mode::beyond_prompt)
+    return reject(api, "budget mode ", static_cast<int>(o.budget), " is not a triattn::budget_mode");
+  return cudaSuccess;
+}
+
+}  // namespace detail
+
+/// The round of `batch` under `options` as its kernels see it.
+template <KVCacheView V>
+device_round make_device_round(const view_batch<V>& batch, const round_options& options, const round_inputs& inputs) {
+  const kv_geometry& g = batch.geometry;
+  const bool beyond = options.budget == budget_mode::beyond_prompt;
+  return {inputs, decision_map{options.grain, g.num_layers, g.num_kv_heads}, options.reduction,
+          options.protect_prompt || beyond, beyond};
+}
+
+/// The keep plan of one round of `scorer` over every sequence of `batch`: the CPU's
+/// `plan_round` (core/round.hpp) for each sequence b, with budget `inputs.budgets[b]` and the
+/// context `inputs.round_starts[b]`, `inputs.prompt_lengths[b]`, under `options` (granularity,
+/// row reduction, budget mode, prompt protection; its schedule is the caller's business).
+/// Writes `plan.keep` [batch, layers, kv_heads, plan.stride] and `plan.kept` [batch, layers,
+/// kv_heads], the plan `compact` reads; `plan.stride` must hold every decision's keep count
+/// (the largest budget, plus the prompt with `beyond_prompt`). CUB-style workspace (see
+/// common.cuh). Device failures go to `status` (required, zeroed by the caller): a
+/// non-finite key, rows of a shared decision that hold different slots (`unequal_rows`), a
+/// budget < 1 or a keep count above the stride (`bad_budget`); `compact` given that word then
+/// moves nothing. At most 65535 decisions per batch (`select_keep`'s grid).
+template <class Scorer, KVCacheView V>
+  requires device_scorer<Scorer, V>
+cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
+                       const Scorer& scorer, const round_options& options, const round_inputs& inputs,
+                       const device_keep_plan& plan, std::int32_t* status, cudaStream_t stream) {
+  const char* api = "triattn::cuda::plan_round";
+  if (const cudaError_t err = detail::check_batch(api, batch); err != cudaSuccess) return err;
+  if (const cudaError_t err = detail::check_round_options(api, options); err != cudaSuccess) return err;
+  if (plan.stride < 1) return detail::reject(api, "keep plan stride ", plan.stride, " must be >= 1");
+  const device_round round = make_device_round(batch, options, inputs);
+  const kv_geometry& g = batch.geometry;
+  const bool shared = round.map.rows() > 1;
+  const std::int64_t decisions = std::int64_t{batch.size} * round.map.decisions();
+  const auto rows = static_cast<std::size_t>(batch.size) * g.num_layers * g.num_kv_heads;
+  const auto cap = static_cast<std::size_t>(batch.capacity);
+  const auto segs = static_cast<std::size_t>(decisions);
+
+  detail::workspace_carver ws(workspace);
+  auto* scores = ws.take<float>(rows * cap);          // [batch, layers, kv_heads, capacity]
+  auto* seg_scores = ws.take<float>(segs * cap);      // [batch, decisions, capacity]
+  auto* seg_positions = ws.take<std::int32_t>(segs * cap);
+  auto* seg_lengths = ws.take<std::int32_t>(segs);
+  auto* seg_budgets = ws.take<std::int32_t>(segs);
+  auto* seg_prot = ws.take<protection>(segs);
+  // A per-layer decision is its plan row: select straight into the plan.
+  auto* seg_keep = shared ? ws.take<std::int32_t>(segs * static_cast<std::size_t>(plan.stride)) : plan.keep;
+  auto* seg_kept = shared ? ws.take<std::int32_t>(segs) : plan.kept;
+  std::size_t scorer_bytes = 0;
+  cudaError_t err = scorer.score(api, nullptr, scorer_bytes, batch, round, nullptr, status, stream);
+  if (err != cudaSuccess) return err;
+  void* scorer_ws = ws.take<std::byte>(scorer_bytes);
+  const select_segments seg{seg_scores, seg_lengths, seg_positions, static_cast<int>(decisions),
+                            batch.capacity, seg_budgets, seg_prot};
+  std::size_t select_bytes = 0;
+  if ((err = select_keep(nullptr, select_bytes, seg, {}, plan.stride, seg_keep, seg_kept, stream)) != cudaSuccess)
+    return err;
+  void* select_ws = ws.take<std::byte>(select_bytes);
+  if (!detail::workspace_ready(api, workspace, workspace_bytes, ws, err)) return err;
+  if (plan.keep == nullptr || plan.kept == nullptr || status == nullptr || inputs.budgets == nullptr)
+    return detail::reject(api, "plan.keep, plan.kept, status and inputs.budgets must not be null");
+
+  if ((err = scorer.score(api, scorer_ws, scorer_bytes, batch, round, scores, status, stream)) != cudaSuccess)
+    return err;
+  constexpr int threads = 256;
+  detail::round_decide<threads><<<static_cast<unsigned>(decisions), threads, 0, stream>>>(
+      batch, scorer, round, plan.stride, scores, seg_scores, seg_positions, seg_lengths, seg_budgets, seg_prot, status);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = select_keep(select_ws, select_bytes, seg, {}, plan.stride, seg_keep, seg_kept, stream)) != cudaSuccess)
+    return err;
+  if (!shared) return cudaSuccess;
+  const std::int64_t items = static_cast<std::int64_t>(rows) * plan.stride;
+  detail::round_expand<threads><<<detail::blocks_for(items, threads), threads, 0, stream>>>(
+      g, round.map, batch.size, seg_keep, seg_kept, plan);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+TRIATTN_NAMESPACE_END
