@@ -194,7 +194,11 @@ struct policy_inputs {
   std::optional<triattn::schedule> sched;
 };
 
-/// One policy of the roster. `make` is null for `full`, the uncompressed reference.
+/// The name of the uncompressed reference (no policy class).
+inline constexpr std::string_view full_name = "full";
+
+/// One policy of the roster. `make` is null for `full`, the uncompressed reference, and only
+/// for it.
 struct policy_entry {
   std::string_view name;
   std::string_view summary;
@@ -208,8 +212,9 @@ struct policy_entry {
                   " needs calibration statistics (--stats)");
     return make != nullptr ? std::optional(make(in)) : std::nullopt;
   }
-  /// Whether the entry compresses (every entry but `full`).
-  constexpr bool compresses() const { return make != nullptr; }
+  /// Whether the entry compresses (every entry but `full`). By name, not by `make`: comparing
+  /// a lambda's function pointer with null is not a constant expression under UBSan.
+  constexpr bool compresses() const { return name != full_name; }
 };
 
 /// `policy` with the caller's schedule, if any, type-erased.
@@ -225,9 +230,6 @@ constexpr policy_entry roster_entry(std::string_view summary, any_policy (*make)
                                     bool needs_stats = false) {
   return {P::name, summary, make, needs_stats};
 }
-
-/// The name of the uncompressed reference (no policy class).
-inline constexpr std::string_view full_name = "full";
 
 /// The roster: every policy the programs offer, in the order they list them.
 inline constexpr std::array policy_registry{
