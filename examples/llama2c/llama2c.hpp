@@ -1,11 +1,15 @@
 /// \file llama2c/llama2c.hpp
-/// \brief A small C++ runner for llama2.c version-0 checkpoints (such as stories260K): the
-/// model, the tokenizer, and a per-sequence session whose KV cache triattn compresses in place.
+/// \brief The examples' Llama-family runner: the model (loaded from a llama2.c version-0
+/// checkpoint such as stories260K here, or from GGUF by `gguf/gguf_model.hpp`), the llama2.c
+/// tokenizer, and per-sequence sessions whose KV caches triattn compresses in place, decoded
+/// one token at a time or many sequences together (`batch_decoder`).
 ///
 /// The forward pass and the tokenizer follow llama2.c's `run.c` (github.com/karpathy/llama2.c,
-/// MIT, Copyright (c) 2023 Andrej), with one difference that compression needs: the cache
-/// keeps one length per (layer, kv_head), and each query head attends over the slots its own
-/// kv head still holds. The cache is f32, NHD per layer, keys stored after RoPE.
+/// MIT, Copyright (c) 2023 Andrej), with two differences: the cache keeps one length per
+/// (layer, kv_head), and each query head attends over the slots its own kv head still holds;
+/// and sequences decoded together share every read of the weights. Each product is summed in
+/// run.c's order whatever the batch, so a sequence's logits are the same bits alone or in any
+/// batch. The cache is NHD per layer (f32, f16 or bf16), keys stored after RoPE.
 #pragma once
 
 #include <algorithm>
@@ -28,6 +32,7 @@
 
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/dtype.hpp"
 #include "triattn/core/rope.hpp"
 
 namespace llama2c {
@@ -49,6 +54,10 @@ struct config {
   int head_dim = 0;    ///< dim / n_heads
   int kv_dim = 0;      ///< head_dim * n_kv_heads
   bool shared_classifier = true;  ///< the classifier is the token embedding
+  float rms_eps = 1e-5f;          ///< RMSNorm epsilon
+  /// How the model rotates queries and keys: llama2.c pairs dims (2j, 2j+1) with theta 10000;
+  /// GGUF files give theta and store Q and K permuted for the same pairing.
+  triattn::rope_desc rope{.style = triattn::rope_style::interleaved, .theta = 10000.0};
 };
 
 /// The tensors of a checkpoint, in file order. Matrices are row-major [out][in].
@@ -77,12 +86,50 @@ inline std::string read_file(const std::filesystem::path& path, const char* api 
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-/// A llama2.c version-0 checkpoint held in memory.
+/// Floats per slice (`per_slice`) and slices (`slices`: 1, or one per layer) of every tensor,
+/// in file order. Counted in double: exact below 2^53, and a header implying more than that
+/// cannot match any real file size. `freq_tables`: whether the legacy RoPE tables are stored.
+struct tensor_layout {
+  std::array<double, tensor_count> per_slice{};
+  std::array<double, tensor_count> slices{};
+
+  tensor_layout(const config& c, bool freq_tables) {
+    const double d = c.dim, hidden = c.hidden_dim, kv = c.kv_dim, layers = c.n_layers, vocab = c.vocab_size;
+    const double freqs = freq_tables ? static_cast<double>(c.seq_len) * (c.head_dim / 2) : 0.0;
+    per_slice = {vocab * d,                               // token_embedding
+                 d, d * d, kv * d, kv * d, d * d, d,      // rms_att, wq, wk, wv, wo, rms_ffn
+                 hidden * d, d * hidden, hidden * d,      // w1, w2, w3
+                 d, freqs, freqs,                         // rms_final, freq_cis_real, freq_cis_imag
+                 c.shared_classifier ? 0.0 : vocab * d};  // wcls
+    slices = {1, layers, layers, layers, layers, layers, layers, layers, layers, layers, 1, 1, 1, 1};
+  }
+  /// Floats of every tensor together.
+  double floats() const {
+    double n = 0;
+    for (std::size_t i = 0; i < tensor_count; ++i) n += per_slice[i] * slices[i];
+    return n;
+  }
+};
+
+/// A Llama-family model held in memory as f32, every matrix row-major [out][in].
 class model {
  public:
-  /// Reads and validates `path`: positive dims, n_heads a multiple of n_kv_heads, dim a
-  /// multiple of n_heads, an even head_dim, and the exact file size the header implies.
+  /// Reads and validates a llama2.c checkpoint: positive dims, n_heads a multiple of
+  /// n_kv_heads, dim a multiple of n_heads, an even head_dim, and the exact file size the
+  /// header implies.
   static model load(const std::filesystem::path& path);
+
+  /// A model from its config and its tensors packed in `layout(c, false)` order (no legacy
+  /// RoPE tables): what a loader of another format builds. Throws when `data` has another size.
+  static model from_tensors(const llama2c::config& c, std::vector<float> data) {
+    model m;
+    m.config_ = c;
+    m.set_layout(tensor_layout(c, false));
+    TRIATTN_CHECK(data.size() == m.floats_, "llama2c::model::from_tensors", data.size(), " floats, the config needs ",
+                  m.floats_);
+    m.data_ = std::move(data);
+    return m;
+  }
 
   const llama2c::config& config() const { return config_; }
 
@@ -94,9 +141,20 @@ class model {
   }
 
  private:
-  model() = default;  // only load() makes one
+  model() = default;  // only load() and from_tensors() make one
+
+  void set_layout(const tensor_layout& t) {
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < tensor_count; ++i) {
+      offset_[i] = at;
+      slice_[i] = static_cast<std::size_t>(t.per_slice[i]);
+      at += static_cast<std::size_t>(t.per_slice[i] * t.slices[i]);
+    }
+    floats_ = at;
+  }
 
   llama2c::config config_;
+  std::size_t floats_ = 0;  // of every tensor
   std::vector<float> data_;                       // every tensor, packed as in the file
   std::array<std::size_t, tensor_count> offset_{};  // first float of each tensor
   std::array<std::size_t, tensor_count> slice_{};   // floats per layer (or in all) of each tensor
@@ -136,33 +194,16 @@ inline model model::load(const std::filesystem::path& path) {
   c.kv_dim = c.head_dim * c.n_kv_heads;
   TRIATTN_CHECK(c.head_dim % 2 == 0, api, path, ": head_dim ", c.head_dim, " (dim / n_heads) must be even for RoPE");
 
-  // Floats per slice and slices per tensor, in file order. Counted in double: exact below
-  // 2^53, and a header implying more than that cannot match any real file size.
-  const double d = c.dim, hidden = c.hidden_dim, kv = c.kv_dim, layers = c.n_layers, vocab = c.vocab_size;
-  const double freqs = static_cast<double>(c.seq_len) * (c.head_dim / 2);
-  const std::array<double, tensor_count> per_slice{
-      vocab * d,                               // token_embedding
-      d, d * d, kv * d, kv * d, d * d, d,      // rms_att, wq, wk, wv, wo, rms_ffn
-      hidden * d, d * hidden, hidden * d,      // w1, w2, w3
-      d, freqs, freqs,                         // rms_final, freq_cis_real, freq_cis_imag
-      c.shared_classifier ? 0.0 : vocab * d};  // wcls
-  const std::array<double, tensor_count> slices{1, layers, layers, layers, layers, layers, layers,
-                                                layers, layers, layers, 1, 1, 1, 1};
-  double floats = 0;
-  for (std::size_t i = 0; i < tensor_count; ++i) floats += per_slice[i] * slices[i];
+  const tensor_layout layout(c, true);
   const std::uintmax_t file_bytes = std::filesystem::file_size(path);
-  const double expected_bytes = static_cast<double>(header_bytes) + 4.0 * floats;
+  const double expected_bytes = static_cast<double>(header_bytes) + 4.0 * layout.floats();
   TRIATTN_CHECK(static_cast<double>(file_bytes) == expected_bytes, api, path, ": file size ", file_bytes,
                 " bytes, expected ",
                 expected_bytes < 0x1p63 ? std::to_string(static_cast<std::int64_t>(expected_bytes)) : "over 2^63",
                 " for the header's dims");
 
-  std::size_t at = 0;
-  for (std::size_t i = 0; i < tensor_count; ++i) {
-    m.offset_[i] = at;
-    m.slice_[i] = static_cast<std::size_t>(per_slice[i]);
-    at += static_cast<std::size_t>(per_slice[i] * slices[i]);
-  }
+  m.set_layout(layout);
+  const std::size_t at = m.floats_;
   m.data_.resize(at);
   in.read(reinterpret_cast<char*>(m.data_.data()), static_cast<std::streamsize>(at * sizeof(float)));
   TRIATTN_CHECK(in.gcount() == static_cast<std::streamsize>(at * sizeof(float)), api, path, ": read ", in.gcount(),
@@ -318,20 +359,59 @@ struct observer {
 
 namespace detail {
 
-// out[i] = Σ_j w[i][j] x[j], accumulated in float in order, as run.c does. w: [rows, cols]
-inline void matvec(float* out, const float* w, const float* x, int rows, int cols) {
-  for (int i = 0; i < rows; ++i) {
-    const float* row = w + static_cast<std::ptrdiff_t>(i) * cols;
-    float acc = 0.0f;
-    for (int j = 0; j < cols; ++j) acc += row[j] * x[j];
-    out[i] = acc;
+// The products run in every build on the machine's widest vectors, chosen when the program
+// starts (GCC and Clang function multiversioning); the sums stay in run.c's order, so every
+// clone gives the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define LLAMA2C_PRODUCT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LLAMA2C_PRODUCT_CLONES
+#endif
+
+// Rows of W and sequences of the batch one tile of `matmul` computes: 4 x C accumulators
+// stay in registers while W's 4 rows are read once for all C sequences.
+inline constexpr int tile_rows = 4;
+
+// out(s, i) for i in [i0, i0 + rows) (rows <= tile_rows) and s in [s0, s0 + C):
+// Σ_j w[i][j] xt[j][s], each sum in float and in j order. Vectorised across s only.
+template <int C>
+[[gnu::always_inline]] inline void matmul_tile(float* out, const float* w, const float* xt, int rows_total, int cols,
+                                               int n, int i0, int rows, int s0) {
+  float acc[tile_rows][C] = {};
+  const float* wr[tile_rows];
+  for (int r = 0; r < tile_rows; ++r) wr[r] = w + static_cast<std::ptrdiff_t>(i0 + std::min(r, rows - 1)) * cols;
+  for (int j = 0; j < cols; ++j) {
+    const float* x = xt + static_cast<std::ptrdiff_t>(j) * n + s0;
+    for (int r = 0; r < tile_rows; ++r) {
+      const float a = wr[r][j];
+      for (int s = 0; s < C; ++s) acc[r][s] += a * x[s];
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int s = 0; s < C; ++s) out[static_cast<std::ptrdiff_t>(s0 + s) * rows_total + i0 + r] = acc[r][s];
+}
+
+// out [n, rows] = x [n, cols] · w [rows, cols]ᵀ for n sequences; `xt` [cols, n] is scratch.
+// Each out(s, i) = Σ_j w[i][j] x[s][j] accumulated in float in j order, as run.c's matvec:
+// the same bits for any n, any tile and any vector width.
+LLAMA2C_PRODUCT_CLONES inline void matmul(float* out, const float* w, const float* x, int rows, int cols, int n,
+                                          float* xt) {
+  for (int s = 0; s < n; ++s)
+    for (int j = 0; j < cols; ++j)
+      xt[static_cast<std::ptrdiff_t>(j) * n + s] = x[static_cast<std::ptrdiff_t>(s) * cols + j];
+  for (int i0 = 0; i0 < rows; i0 += tile_rows) {
+    const int r = std::min(tile_rows, rows - i0);
+    int s0 = 0;
+    for (; s0 + 16 <= n; s0 += 16) matmul_tile<16>(out, w, xt, rows, cols, n, i0, r, s0);
+    for (; s0 + 4 <= n; s0 += 4) matmul_tile<4>(out, w, xt, rows, cols, n, i0, r, s0);
+    for (; s0 < n; ++s0) matmul_tile<1>(out, w, xt, rows, cols, n, i0, r, s0);
   }
 }
 
-inline void rmsnorm(float* out, const float* x, const float* gain, int n) {
+inline void rmsnorm(float* out, const float* x, const float* gain, int n, float eps) {
   float ss = 0.0f;
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
-  ss = 1.0f / std::sqrt(ss / static_cast<float>(n) + 1e-5f);
+  ss = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int i = 0; i < n; ++i) out[i] = gain[i] * (ss * x[i]);
 }
 
@@ -347,6 +427,37 @@ inline void softmax(float* x, std::int64_t n) {
 
 }  // namespace detail
 
+/// Activations of a batch of `n` sequences, row s for sequence s, allocated once and reused.
+struct forward_buffers {
+  int n = 0;
+  std::vector<float> x, xb, xb2, q, k, v, hb, hb2, logits;  // [n, dim] x4, [n, kv_dim] x2, [n, hidden] x2, [n, vocab]
+  std::vector<float> xt;                                     // [max(dim, hidden), n] matmul scratch
+  std::vector<float> att, row;                               // [capacity], [head_dim]
+
+  void reserve(const config& c, int batch, std::int64_t capacity) {
+    const auto b = static_cast<std::size_t>(batch);
+    if (batch != n) {
+      n = batch;
+      for (auto* buf : {&x, &xb, &xb2, &q}) buf->resize(b * static_cast<std::size_t>(c.dim));
+      k.resize(b * static_cast<std::size_t>(c.kv_dim));
+      v.resize(k.size());
+      hb.resize(b * static_cast<std::size_t>(c.hidden_dim));
+      hb2.resize(hb.size());
+      logits.resize(b * static_cast<std::size_t>(c.vocab_size));
+      xt.resize(b * static_cast<std::size_t>(std::max(c.dim, c.hidden_dim)));
+      row.resize(static_cast<std::size_t>(c.head_dim));
+    }
+    if (att.size() < static_cast<std::size_t>(capacity)) att.resize(static_cast<std::size_t>(capacity));
+  }
+};
+
+class session;
+/// Runs `tokens[s]` through `sessions[s]` for every s, all of model `m`, sharing each read of
+/// the weights; logits land in `b.logits` [n, vocab]. Throws `triattn::error` naming `api`,
+/// with every session unchanged, for a token out of range, a full cache, or another model.
+inline void forward(const model& m, std::span<session* const> sessions, std::span<const int> tokens,
+                    forward_buffers& b, const char* api);
+
 /// One sequence: its KV cache and the forward pass. The model must outlive the session.
 ///
 /// The cache holds `capacity` slots per (layer, kv_head). `forward` appends the token's K and
@@ -354,7 +465,8 @@ inline void softmax(float* x, std::int64_t n) {
 /// cache (through `view()`, with any triattn policy) is used as it is, per head.
 class session {
  public:
-  session(const model& m, std::int64_t capacity);
+  /// `cache_type`: how K and V are stored (f32, f16 or bf16); attention reads them back as f32.
+  session(const llama2c::model& m, std::int64_t capacity, triattn::dtype cache_type = triattn::dtype::f32);
   session(const session&) = delete;  // view() hands out pointers into this object
   session& operator=(const session&) = delete;
   session(session&&) noexcept = default;  // the cache's heap buffers, and so the view's pointers, move along
@@ -363,9 +475,13 @@ class session {
   /// Runs `token` at position `position()`, appends its post-RoPE K and V, and returns the
   /// logits [vocab] (valid until the next call). Throws `triattn::error`, with the session
   /// unchanged, when a (layer, kv_head) is full or the token is out of range.
-  std::span<const float> forward(int token);
+  std::span<const float> forward(int token) {
+    session* self = this;
+    llama2c::forward(*model_, {&self, 1}, {&token, 1}, buffers_, "llama2c::session::forward");
+    return buffers_.logits;
+  }
 
-  /// The cache as a triattn view (f32, NHD, post-RoPE keys, interleaved RoPE).
+  /// The cache as a triattn view (NHD, post-RoPE keys, the model's RoPE).
   triattn::dense_kv_view view() {
     triattn::dense_kv_view v;
     v.geo = geometry_;
@@ -376,6 +492,7 @@ class session {
     return v;
   }
 
+  const llama2c::model& model() const { return *model_; }
   /// Slots held by (layer, kv_head).
   std::int32_t length(int layer, int kv_head) const { return lengths_[slot_row(layer, kv_head)]; }
   /// The token position held by slot `s` of (layer, kv_head).
@@ -405,143 +522,187 @@ class session {
   }
 
  private:
+  friend void forward(const llama2c::model&, std::span<session* const>, std::span<const int>, forward_buffers&,
+                      const char*);
+
   std::size_t slot_row(int layer, int kv_head) const {
     return static_cast<std::size_t>(layer) * static_cast<std::size_t>(cfg_.n_kv_heads) +
            static_cast<std::size_t>(kv_head);
   }
   // K and V of one slot of one head.
-  std::int64_t row_bytes() const { return std::int64_t{cfg_.head_dim} * 2 * static_cast<std::int64_t>(sizeof(float)); }
-  // Offset of the row (layer, kv_head, slot) in k_cache_ / v_cache_.
-  std::size_t row(int layer, int kv_head, std::int64_t slot) const {
-    return ((static_cast<std::size_t>(layer) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(slot)) *
-                static_cast<std::size_t>(cfg_.n_kv_heads) +
-            static_cast<std::size_t>(kv_head)) *
-           static_cast<std::size_t>(cfg_.head_dim);
+  std::int64_t row_bytes() const {
+    return std::int64_t{cfg_.head_dim} * 2 * static_cast<std::int64_t>(triattn::dtype_bytes(geometry_.type));
+  }
+  // Checks that one more token fits (see forward()).
+  void check_room(const char* api) const {
+    TRIATTN_CHECK(position_ < std::numeric_limits<std::int32_t>::max(), api, "position ", position_,
+                  " does not fit the cache's int32 positions");
+    for (int l = 0; l < cfg_.n_layers; ++l)
+      for (int g = 0; g < cfg_.n_kv_heads; ++g)
+        TRIATTN_CHECK(length(l, g) < capacity_, api, "cache full: layer ", l, " kv_head ", g, " holds all ", capacity_,
+                      " slots; compress it or make the session larger");
   }
 
-  const model* model_;
+  const llama2c::model* model_;
   llama2c::config cfg_;
   triattn::kv_geometry geometry_;
   std::int64_t capacity_;
   std::int64_t position_ = 0;
-  std::vector<float> k_cache_, v_cache_;      // [layers, capacity, kv_heads, head_dim]
+  std::vector<std::byte> k_cache_, v_cache_;  // [layers, capacity, kv_heads, head_dim] elements of geometry_.type
   std::vector<std::int32_t> lengths_;         // [layers, kv_heads]
   std::vector<std::int32_t> positions_;       // [layers, kv_heads, capacity]
   std::vector<std::byte*> k_bases_, v_bases_;  // [layers] what the view's k_layers / v_layers point at
-  // Activations of one token, allocated once.
-  std::vector<float> x_, xb_, xb2_, q_, k_, v_, hb_, hb2_, logits_;  // [dim] x3, [dim], [kv_dim] x2, [hidden] x2, [vocab]
-  std::vector<float> att_;                                           // [capacity]
+  forward_buffers buffers_;                    // for forward(): a batch of one
   observer* observer_ = nullptr;
 };
 
-inline session::session(const model& m, std::int64_t capacity)
+inline session::session(const llama2c::model& m, std::int64_t capacity, triattn::dtype cache_type)
     : model_(&m), cfg_(m.config()), capacity_(capacity) {
-  TRIATTN_CHECK(capacity >= 1 && capacity <= std::numeric_limits<std::int32_t>::max(), "llama2c::session", "capacity ",
-                capacity, " must be in [1, 2^31)");
+  const char* api = "llama2c::session";
+  TRIATTN_CHECK(capacity >= 1 && capacity <= std::numeric_limits<std::int32_t>::max(), api, "capacity ", capacity,
+                " must be in [1, 2^31)");
+  TRIATTN_CHECK(cache_type == triattn::dtype::f32 || cache_type == triattn::dtype::f16 ||
+                    cache_type == triattn::dtype::bf16,
+                api, "cache type ", triattn::dtype_name(cache_type), " is not f32, f16 or bf16");
   geometry_.num_layers = cfg_.n_layers;
   geometry_.num_q_heads = cfg_.n_heads;
   geometry_.num_kv_heads = cfg_.n_kv_heads;
   geometry_.head_dim = cfg_.head_dim;
-  geometry_.type = triattn::dtype::f32;
+  geometry_.type = cache_type;
   geometry_.keys = triattn::key_state::post_rope;
-  geometry_.rope.style = triattn::rope_style::interleaved;  // llama2.c pairs (2j, 2j+1)
-  geometry_.rope.rotary_dim = 0;
-  geometry_.rope.theta = 10000.0;
+  geometry_.rope = cfg_.rope;
 
   const auto layers = static_cast<std::size_t>(cfg_.n_layers);
   const auto heads = static_cast<std::size_t>(cfg_.n_kv_heads);
   const auto cap = static_cast<std::size_t>(capacity);
-  k_cache_.resize(layers * cap * heads * static_cast<std::size_t>(cfg_.head_dim));
+  const std::size_t layer_bytes = cap * heads * static_cast<std::size_t>(cfg_.head_dim) * triattn::dtype_bytes(cache_type);
+  k_cache_.resize(layers * layer_bytes);
   v_cache_.resize(k_cache_.size());
   lengths_.assign(layers * heads, 0);
   positions_.assign(layers * heads * cap, 0);
-  for (int l = 0; l < cfg_.n_layers; ++l) {
-    k_bases_.push_back(reinterpret_cast<std::byte*>(k_cache_.data() + row(l, 0, 0)));
-    v_bases_.push_back(reinterpret_cast<std::byte*>(v_cache_.data() + row(l, 0, 0)));
+  for (std::size_t l = 0; l < layers; ++l) {
+    k_bases_.push_back(k_cache_.data() + l * layer_bytes);
+    v_bases_.push_back(v_cache_.data() + l * layer_bytes);
   }
-  const auto dim = static_cast<std::size_t>(cfg_.dim);
-  for (auto* buf : {&x_, &xb_, &xb2_, &q_}) buf->resize(dim);
-  k_.resize(static_cast<std::size_t>(cfg_.kv_dim));
-  v_.resize(k_.size());
-  hb_.resize(static_cast<std::size_t>(cfg_.hidden_dim));
-  hb2_.resize(hb_.size());
-  logits_.resize(static_cast<std::size_t>(cfg_.vocab_size));
-  att_.resize(cap);
 }
 
-inline std::span<const float> session::forward(int token) {
-  const char* api = "llama2c::session::forward";
-  TRIATTN_CHECK(token >= 0 && token < cfg_.vocab_size, api, "token ", token, " is outside [0, vocab_size ",
-                cfg_.vocab_size, ")");
-  TRIATTN_CHECK(position_ < std::numeric_limits<std::int32_t>::max(), api, "position ", position_,
-                " does not fit the cache's int32 positions");
-  for (int l = 0; l < cfg_.n_layers; ++l)
-    for (int g = 0; g < cfg_.n_kv_heads; ++g)
-      TRIATTN_CHECK(length(l, g) < capacity_, api, "cache full: layer ", l, " kv_head ", g, " holds all ", capacity_,
-                    " slots; compress it or make the session larger");
+inline void forward(const model& m, std::span<session* const> sessions, std::span<const int> tokens,
+                    forward_buffers& b, const char* api) {
+  const config& c = m.config();
+  TRIATTN_CHECK(sessions.size() == tokens.size() && !sessions.empty(), api, sessions.size(), " sessions and ",
+                tokens.size(), " tokens");
+  TRIATTN_CHECK(sessions.size() <= static_cast<std::size_t>(std::numeric_limits<int>::max()), api, sessions.size(),
+                " sessions");
+  std::int64_t capacity = 0;
+  for (std::size_t i = 0; i < sessions.size(); ++i) {
+    TRIATTN_CHECK(sessions[i] != nullptr && sessions[i]->model_ == &m, api, "session ", i,
+                  " is null or of another model");
+    TRIATTN_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab_size, api, "token ", tokens[i], " is outside [0, vocab_size ",
+                  c.vocab_size, ")");
+    for (std::size_t j = 0; j < i; ++j)
+      TRIATTN_CHECK(sessions[j] != sessions[i], api, "session ", i, " is also session ", j);
+    sessions[i]->check_room(api);
+    capacity = std::max(capacity, sessions[i]->capacity_);
+  }
+  const int n = static_cast<int>(sessions.size());
+  b.reserve(c, n, capacity);
 
-  const model& m = *model_;
-  const int dim = cfg_.dim, hd = cfg_.head_dim, group = cfg_.n_heads / cfg_.n_kv_heads;
-  const auto pos = static_cast<std::int32_t>(position_);
+  const int dim = c.dim, kv_dim = c.kv_dim, hidden = c.hidden_dim, hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
+  const auto row = [](std::vector<float>& buf, int s, int width) { return buf.data() + std::ptrdiff_t{s} * width; };
   // run.c divides by sqrtf(head_size); dividing (not multiplying by the reciprocal) keeps its bits.
   const float scale = std::sqrt(static_cast<float>(hd));
-  float* x = x_.data();
-  std::copy_n(m.weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(token) * dim, dim, x);
+  for (int s = 0; s < n; ++s)
+    std::copy_n(m.weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(tokens[s]) * dim, dim,
+                row(b.x, s, dim));
 
-  for (int l = 0; l < cfg_.n_layers; ++l) {
-    detail::rmsnorm(xb_.data(), x, m.weights(tensor::rms_att, l).data(), dim);
-    detail::matvec(q_.data(), m.weights(tensor::wq, l).data(), xb_.data(), dim, dim);
-    detail::matvec(k_.data(), m.weights(tensor::wk, l).data(), xb_.data(), cfg_.kv_dim, dim);
-    detail::matvec(v_.data(), m.weights(tensor::wv, l).data(), xb_.data(), cfg_.kv_dim, dim);
-    for (int h = 0; h < cfg_.n_heads; ++h) triattn::rope_rotate(geometry_.rope, q_.data() + h * hd, hd, pos);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int s = 0; s < n; ++s)
+      detail::rmsnorm(row(b.xb, s, dim), row(b.x, s, dim), m.weights(tensor::rms_att, l).data(), dim, c.rms_eps);
+    detail::matmul(b.q.data(), m.weights(tensor::wq, l).data(), b.xb.data(), dim, dim, n, b.xt.data());
+    detail::matmul(b.k.data(), m.weights(tensor::wk, l).data(), b.xb.data(), kv_dim, dim, n, b.xt.data());
+    detail::matmul(b.v.data(), m.weights(tensor::wv, l).data(), b.xb.data(), kv_dim, dim, n, b.xt.data());
 
-    for (int g = 0; g < cfg_.n_kv_heads; ++g) {
-      float* k = k_.data() + g * hd;
-      triattn::rope_rotate(geometry_.rope, k, hd, pos);
-      const std::int32_t s = lengths_[slot_row(l, g)]++;
-      std::copy_n(k, hd, k_cache_.data() + row(l, g, s));
-      std::copy_n(v_.data() + g * hd, hd, v_cache_.data() + row(l, g, s));
-      positions_[slot_row(l, g) * static_cast<std::size_t>(capacity_) + static_cast<std::size_t>(s)] = pos;
-    }
-
-    // Attention: q-head h reads kv head h / group, over the slots that head holds.
-    for (int h = 0; h < cfg_.n_heads; ++h) {
-      const int g = h / group;
-      const std::int32_t n = length(l, g);
-      const float* q = q_.data() + h * hd;
-      float* att = att_.data();
-      for (std::int32_t t = 0; t < n; ++t) {
-        const float* k = k_cache_.data() + row(l, g, t);
-        float dot = 0.0f;
-        for (int d = 0; d < hd; ++d) dot += q[d] * k[d];
-        att[t] = dot / scale;
+    for (int s = 0; s < n; ++s) {
+      session& se = *sessions[static_cast<std::size_t>(s)];
+      const triattn::dense_kv_view view = se.view();
+      const auto pos = static_cast<std::int32_t>(se.position_);
+      float* q_all = row(b.q, s, dim);
+      for (int h = 0; h < c.n_heads; ++h) triattn::rope_rotate(c.rope, q_all + h * hd, hd, pos);
+      for (int g = 0; g < c.n_kv_heads; ++g) {
+        float* k = row(b.k, s, kv_dim) + g * hd;
+        triattn::rope_rotate(c.rope, k, hd, pos);
+        const std::int32_t slot = se.lengths_[se.slot_row(l, g)]++;
+        triattn::store_key(view, l, g, slot, k);
+        triattn::store_value(view, l, g, slot, row(b.v, s, kv_dim) + g * hd);
+        view.position(l, g, slot) = pos;
       }
-      detail::softmax(att, n);
-      if (observer_ != nullptr)
-        observer_->on_attention(l, h, pos, {q, static_cast<std::size_t>(hd)}, {att, static_cast<std::size_t>(n)});
-      float* out = xb_.data() + h * hd;
-      std::fill_n(out, hd, 0.0f);
-      for (std::int32_t t = 0; t < n; ++t) {
-        const float* v = v_cache_.data() + row(l, g, t);
-        for (int d = 0; d < hd; ++d) out[d] += att[t] * v[d];
+
+      // Attention: q-head h reads kv head h / group, over the slots that head holds.
+      float* key = b.row.data();
+      for (int h = 0; h < c.n_heads; ++h) {
+        const int g = h / group;
+        const std::int32_t len = se.length(l, g);
+        const float* q = q_all + h * hd;
+        float* att = b.att.data();
+        for (std::int32_t t = 0; t < len; ++t) {
+          triattn::load_key(view, l, g, t, key);
+          float dot = 0.0f;
+          for (int d = 0; d < hd; ++d) dot += q[d] * key[d];
+          att[t] = dot / scale;
+        }
+        detail::softmax(att, len);
+        if (se.observer_ != nullptr)
+          se.observer_->on_attention(l, h, pos, {q, static_cast<std::size_t>(hd)}, {att, static_cast<std::size_t>(len)});
+        float* out = row(b.xb, s, dim) + h * hd;
+        std::fill_n(out, hd, 0.0f);
+        for (std::int32_t t = 0; t < len; ++t) {
+          triattn::load_value(view, l, g, t, key);
+          for (int d = 0; d < hd; ++d) out[d] += att[t] * key[d];
+        }
       }
     }
-    detail::matvec(xb2_.data(), m.weights(tensor::wo, l).data(), xb_.data(), dim, dim);
-    for (int i = 0; i < dim; ++i) x[i] += xb2_[static_cast<std::size_t>(i)];
+    detail::matmul(b.xb2.data(), m.weights(tensor::wo, l).data(), b.xb.data(), dim, dim, n, b.xt.data());
+    for (std::size_t i = 0; i < b.x.size(); ++i) b.x[i] += b.xb2[i];
 
     // Feed-forward: w2 (silu(w1 x) * (w3 x)).
-    detail::rmsnorm(xb_.data(), x, m.weights(tensor::rms_ffn, l).data(), dim);
-    detail::matvec(hb_.data(), m.weights(tensor::w1, l).data(), xb_.data(), cfg_.hidden_dim, dim);
-    detail::matvec(hb2_.data(), m.weights(tensor::w3, l).data(), xb_.data(), cfg_.hidden_dim, dim);
-    for (std::size_t i = 0; i < hb_.size(); ++i) hb_[i] = hb_[i] * (1.0f / (1.0f + std::exp(-hb_[i]))) * hb2_[i];
-    detail::matvec(xb_.data(), m.weights(tensor::w2, l).data(), hb_.data(), dim, cfg_.hidden_dim);
-    for (int i = 0; i < dim; ++i) x[i] += xb_[static_cast<std::size_t>(i)];
+    for (int s = 0; s < n; ++s)
+      detail::rmsnorm(row(b.xb, s, dim), row(b.x, s, dim), m.weights(tensor::rms_ffn, l).data(), dim, c.rms_eps);
+    detail::matmul(b.hb.data(), m.weights(tensor::w1, l).data(), b.xb.data(), hidden, dim, n, b.xt.data());
+    detail::matmul(b.hb2.data(), m.weights(tensor::w3, l).data(), b.xb.data(), hidden, dim, n, b.xt.data());
+    for (std::size_t i = 0; i < b.hb.size(); ++i) b.hb[i] = b.hb[i] * (1.0f / (1.0f + std::exp(-b.hb[i]))) * b.hb2[i];
+    detail::matmul(b.xb.data(), m.weights(tensor::w2, l).data(), b.hb.data(), dim, hidden, n, b.xt.data());
+    for (std::size_t i = 0; i < b.x.size(); ++i) b.x[i] += b.xb[i];
   }
-  detail::rmsnorm(x, x, m.weights(tensor::rms_final).data(), dim);
-  detail::matvec(logits_.data(), m.weights(tensor::wcls).data(), x, cfg_.vocab_size, dim);
-  ++position_;
-  return logits_;
+  for (int s = 0; s < n; ++s)
+    detail::rmsnorm(row(b.x, s, dim), row(b.x, s, dim), m.weights(tensor::rms_final).data(), dim, c.rms_eps);
+  detail::matmul(b.logits.data(), m.weights(tensor::wcls).data(), b.x.data(), c.vocab_size, dim, n, b.xt.data());
+  for (session* se : sessions) ++se->position_;
 }
+
+/// Decodes several sessions of one model together: each `step` advances every session by one
+/// token and reads the weights once for all of them (matrix-matrix products). A session's
+/// logits are the same bits as its own `forward` would give.
+class batch_decoder {
+ public:
+  explicit batch_decoder(const llama2c::model& m) : model_(&m) {}
+
+  /// Runs `tokens[s]` through `*sessions[s]` for every s (distinct sessions of this model) and
+  /// returns the logits [n, vocab], row s for session s (valid until the next step). Throws
+  /// `triattn::error`, with every session unchanged, when a token is out of range or a cache full.
+  std::span<const float> step(std::span<session* const> sessions, std::span<const int> tokens) {
+    forward(*model_, sessions, tokens, buffers_, "llama2c::batch_decoder::step");
+    return buffers_.logits;
+  }
+  /// Row s of the last step's logits [vocab].
+  std::span<const float> logits(int s) const {
+    const auto v = static_cast<std::size_t>(model_->config().vocab_size);
+    return std::span<const float>(buffers_.logits).subspan(static_cast<std::size_t>(s) * v, v);
+  }
+
+ private:
+  const llama2c::model* model_;
+  forward_buffers buffers_;
+};
 
 /// Index of the largest logit; the first one on ties, as run.c's argmax.
 inline int argmax(std::span<const float> logits) {

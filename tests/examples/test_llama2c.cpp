@@ -366,6 +366,75 @@ TEST_CASE("a full cache throws, stays unchanged, and runs again after compressio
   CHECK(s.position() == 1);
 }
 
+TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama2c][batch]") {
+  // Sequences of different lengths and caches of different sizes, advanced together; each
+  // is compared with the same tokens run alone, logit for logit, bit for bit.
+  auto rng = triattn_test::rng();
+  const int batch = std::uniform_int_distribution<int>(2, 19)(rng);
+  INFO("batch " << batch);
+  std::uniform_int_distribution<int> token(3, 511);
+  std::vector<llama2c::session> together, alone;
+  std::vector<std::vector<int>> streams;
+  for (int b = 0; b < batch; ++b) {
+    const int start = std::uniform_int_distribution<int>(0, 12)(rng);
+    std::vector<int> tokens(static_cast<std::size_t>(start + 24));
+    for (int& t : tokens) t = token(rng);
+    together.emplace_back(stories(), start + 40);
+    alone.emplace_back(stories(), start + 40);
+    for (int t = 0; t < start; ++t) together.back().forward(tokens[static_cast<std::size_t>(t)]);  // a head start
+    streams.push_back(std::move(tokens));
+  }
+  llama2c::batch_decoder decoder(stories());
+  std::vector<llama2c::session*> ptrs;
+  for (auto& s : together) ptrs.push_back(&s);
+  for (int step = 0; step < 24; ++step) {
+    std::vector<int> now;
+    for (int b = 0; b < batch; ++b) now.push_back(streams[b][static_cast<std::size_t>(together[b].position())]);
+    decoder.step(ptrs, now);
+    for (int b = 0; b < batch; ++b) {
+      llama2c::session& a = alone[static_cast<std::size_t>(b)];
+      std::span<const float> want;
+      while (a.position() < together[b].position()) want = a.forward(streams[b][static_cast<std::size_t>(a.position())]);
+      CHECK(bitwise_equal(decoder.logits(b), want));
+    }
+  }
+  // Bad input anywhere in the batch changes no session.
+  const std::int64_t before = together[0].position();
+  std::vector<int> bad(static_cast<std::size_t>(batch), 5);
+  bad.back() = 512;
+  CHECK_THAT(load_error([&] { decoder.step(ptrs, bad); }), Contains("llama2c::batch_decoder::step") &&
+                                                              Contains("token 512"));
+  std::vector<llama2c::session*> twice{ptrs[0], ptrs[0]};
+  CHECK_THAT(load_error([&] { decoder.step(twice, std::vector<int>{5, 5}); }), Contains("session 1 is also session 0"));
+  CHECK(together[0].position() == before);
+  CHECK(together[0].length(0, 0) == before);
+}
+
+TEST_CASE("f16 and bf16 caches decode close to the f32 cache and compress alike", "[llama2c][batch]") {
+  const std::vector<int> golden = golden_ids();
+  for (const triattn::dtype type : {triattn::dtype::f16, triattn::dtype::bf16}) {
+    INFO(triattn::dtype_name(type));
+    llama2c::session exact(stories(), 128), narrow(stories(), 128, type);
+    CHECK(narrow.view().geometry().type == type);
+    CHECK(narrow.kv_bytes() == 0);
+    double kl = 0;
+    int agree = 0;
+    for (int t = 0; t < 128; ++t) {
+      const int token = t == 0 ? llama2c::bos_id : golden[static_cast<std::size_t>(t - 1)];
+      const std::span<const float> want = exact.forward(token);
+      const std::span<const float> got = narrow.forward(token);
+      kl += llama2c::kl_divergence(want, got);
+      agree += llama2c::argmax(want) == llama2c::argmax(got);
+    }
+    // 2-byte elements: half the bytes of f32; the distributions barely move.
+    CHECK(narrow.kv_bytes() * 2 == exact.kv_bytes());
+    CHECK(kl / 128 < (type == triattn::dtype::f16 ? 1e-5 : 1e-3));
+    CHECK(agree >= 126);
+    CHECK_THAT(load_error([&] { llama2c::session(stories(), 4, triattn::dtype::fp8_e4m3); }),
+               Contains("llama2c::session") && Contains("fp8_e4m3"));
+  }
+}
+
 TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[llama2c]") {
   const std::string model_bytes = llama2c::read_file(model_dir() / "stories260K.bin");
   REQUIRE(model_bytes.size() == 1056540);
