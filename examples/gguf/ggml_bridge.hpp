@@ -1,0 +1,455 @@
+/// \file gguf/ggml_bridge.hpp
+/// \brief The one place where the examples touch ggml and llama.cpp (MIT): reading a GGUF file
+/// (metadata, tensors dequantised to f32), llama.cpp's tokenizer and chat template, and
+/// llama.cpp's own forward pass as a reference for parity tests.
+///
+/// Built with the CMake target `triattn_llama_cpp` (configure with TRIATTN_WITH_LLAMA_CPP=ON).
+/// Every error is a `triattn::error` whose message names the API and the key, tensor or path.
+///
+/// Layout: ggml lists a tensor's sizes fastest first (`ne[0]` is the contiguous dimension), so
+/// `dequantize` returns a row-major array whose last index is `ne[0]`: a 2-D weight with
+/// `ne = {in, out}` is `W[out][in]` row-major, and the layer computes `y = W x`.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ggml.h>
+#include <gguf.h>
+#include <llama.h>
+
+#include "triattn/core/error.hpp"
+
+namespace ggml_bridge {
+
+namespace detail {
+
+inline std::atomic<bool>& verbose_flag() {
+  static std::atomic<bool> verbose{false};
+  return verbose;
+}
+
+/// The quiet logger: keeps errors (and their continuation lines), drops the rest.
+inline void quiet_log(ggml_log_level level, const char* text, void* /*user_data*/) {
+  static thread_local bool last_was_error = false;
+  if (level != GGML_LOG_LEVEL_CONT) last_was_error = level == GGML_LOG_LEVEL_ERROR;
+  if (last_was_error || verbose_flag()) std::fputs(text, stderr);
+}
+
+}  // namespace detail
+
+/// Makes llama.cpp and ggml log everything (`true`) or only errors (`false`, the default).
+inline void set_verbose(bool verbose) {
+  detail::verbose_flag() = verbose;
+  llama_log_set(detail::quiet_log, nullptr);
+}
+
+/// Calls `llama_backend_init()` once per process and installs the quiet logger (the first
+/// call of any function in this header does this).
+inline void init_backend() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    llama_log_set(detail::quiet_log, nullptr);
+    llama_backend_init();
+  });
+}
+
+/// Where a tensor sits in a GGUF file and what it holds.
+struct tensor_desc {
+  ggml_type type = GGML_TYPE_F32;
+  std::vector<std::int64_t> ne;  ///< sizes, fastest first; ne.size() is the tensor's rank
+  std::size_t offset = 0;        ///< byte offset of the data from the start of the file
+  std::size_t bytes = 0;         ///< size of the (possibly quantised) data in bytes
+  /// The number of elements (product of ne).
+  [[nodiscard]] std::int64_t elements() const {
+    std::int64_t n = 1;
+    for (const auto d : ne) n *= d;
+    return n;
+  }
+};
+
+/// A GGUF file opened for its metadata and tensor directory (no tensor data is loaded).
+class gguf_file {
+ public:
+  /// Opens `path` with `gguf_init_from_file` (no_alloc). Throws if it is not a readable GGUF.
+  explicit gguf_file(std::filesystem::path path) : path_(std::move(path)) {
+    init_backend();
+    ggml_context* meta = nullptr;
+    gguf_init_params params{};
+    params.no_alloc = true;
+    params.ctx = &meta;
+    gguf_ = gguf_init_from_file(path_.string().c_str(), params);
+    meta_.reset(meta);
+    TRIATTN_CHECK(gguf_ != nullptr, "ggml_bridge::gguf_file", path_,
+                  ": gguf_init_from_file failed (missing file or not a GGUF file)");
+  }
+  gguf_file(const gguf_file&) = delete;
+  gguf_file& operator=(const gguf_file&) = delete;
+  /// Moves the open file; the source is left empty.
+  gguf_file(gguf_file&& other) noexcept
+      : path_(std::move(other.path_)), gguf_(std::exchange(other.gguf_, nullptr)), meta_(std::move(other.meta_)) {}
+  /// Moves the open file; the source is left empty.
+  gguf_file& operator=(gguf_file&& other) noexcept {
+    if (this != &other) {
+      if (gguf_ != nullptr) gguf_free(gguf_);
+      path_ = std::move(other.path_);
+      gguf_ = std::exchange(other.gguf_, nullptr);
+      meta_ = std::move(other.meta_);
+    }
+    return *this;
+  }
+  ~gguf_file() {
+    if (gguf_ != nullptr) gguf_free(gguf_);
+  }
+
+  /// The path the file was opened from.
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+  /// The underlying gguf context (owned by this object).
+  [[nodiscard]] const gguf_context* raw() const { return gguf_; }
+
+  /// Whether the metadata has `key`.
+  [[nodiscard]] bool has(const std::string& key) const { return gguf_find_key(gguf_, key.c_str()) >= 0; }
+
+  /// A string value. Throws if the key is missing or not a string.
+  [[nodiscard]] std::string get_string(const std::string& key) const {
+    const auto id = find_key(key, "ggml_bridge::gguf_file::get_string");
+    check_type(key, id, GGUF_TYPE_STRING, "ggml_bridge::gguf_file::get_string");
+    return gguf_get_val_str(gguf_, id);
+  }
+
+  /// An integer value of any width and signedness. Throws if the key is missing, not an
+  /// integer, or a u64 above the int64 range.
+  [[nodiscard]] std::int64_t get_int(const std::string& key) const {
+    constexpr const char* api = "ggml_bridge::gguf_file::get_int";
+    const auto id = find_key(key, api);
+    switch (gguf_get_kv_type(gguf_, id)) {
+      case GGUF_TYPE_UINT8: return gguf_get_val_u8(gguf_, id);
+      case GGUF_TYPE_INT8: return gguf_get_val_i8(gguf_, id);
+      case GGUF_TYPE_UINT16: return gguf_get_val_u16(gguf_, id);
+      case GGUF_TYPE_INT16: return gguf_get_val_i16(gguf_, id);
+      case GGUF_TYPE_UINT32: return gguf_get_val_u32(gguf_, id);
+      case GGUF_TYPE_INT32: return gguf_get_val_i32(gguf_, id);
+      case GGUF_TYPE_INT64: return gguf_get_val_i64(gguf_, id);
+      case GGUF_TYPE_UINT64: {
+        const auto v = gguf_get_val_u64(gguf_, id);
+        TRIATTN_CHECK(v <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()), api, path_,
+                      ": key ", key, " = ", v, " does not fit in int64");
+        return static_cast<std::int64_t>(v);
+      }
+      default:
+        triattn::detail::fail(api, path_, ": key ", key, " has type ", gguf_type_name(gguf_get_kv_type(gguf_, id)),
+                              ", not an integer");
+    }
+  }
+
+  /// A floating-point value (f32 or f64). Throws if the key is missing or of another type.
+  [[nodiscard]] double get_float(const std::string& key) const {
+    constexpr const char* api = "ggml_bridge::gguf_file::get_float";
+    const auto id = find_key(key, api);
+    const auto type = gguf_get_kv_type(gguf_, id);
+    if (type == GGUF_TYPE_FLOAT32) return gguf_get_val_f32(gguf_, id);
+    if (type == GGUF_TYPE_FLOAT64) return gguf_get_val_f64(gguf_, id);
+    triattn::detail::fail(api, path_, ": key ", key, " has type ", gguf_type_name(type), ", not f32 or f64");
+  }
+
+  /// An array of strings (e.g. `tokenizer.ggml.tokens`). Throws if the key is missing or not
+  /// a string array.
+  [[nodiscard]] std::vector<std::string> get_string_array(const std::string& key) const {
+    constexpr const char* api = "ggml_bridge::gguf_file::get_string_array";
+    const auto id = find_key(key, api);
+    check_type(key, id, GGUF_TYPE_ARRAY, api);
+    TRIATTN_CHECK(gguf_get_arr_type(gguf_, id) == GGUF_TYPE_STRING, api, path_, ": key ", key, " is an array of ",
+                  gguf_type_name(gguf_get_arr_type(gguf_, id)), ", not of strings");
+    const auto n = gguf_get_arr_n(gguf_, id);
+    std::vector<std::string> out;
+    out.reserve(n);
+    for (std::size_t i = 0; i < n; ++i) out.emplace_back(gguf_get_arr_str(gguf_, id, i));
+    return out;
+  }
+
+  /// Whether the file has a tensor called `name`.
+  [[nodiscard]] bool has_tensor(const std::string& name) const { return gguf_find_tensor(gguf_, name.c_str()) >= 0; }
+
+  /// The names of all tensors, in file order.
+  [[nodiscard]] std::vector<std::string> tensor_names() const {
+    const auto n = gguf_get_n_tensors(gguf_);
+    std::vector<std::string> out;
+    out.reserve(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) out.emplace_back(gguf_get_tensor_name(gguf_, i));
+    return out;
+  }
+
+  /// Type, sizes (fastest first) and file position of tensor `name`. Throws if it is missing.
+  [[nodiscard]] tensor_desc tensor_info(const std::string& name) const {
+    constexpr const char* api = "ggml_bridge::gguf_file::tensor_info";
+    const auto id = gguf_find_tensor(gguf_, name.c_str());
+    TRIATTN_CHECK(id >= 0, api, path_, ": no tensor ", name);
+    const ggml_tensor* t = meta_ ? ggml_get_tensor(meta_.get(), name.c_str()) : nullptr;
+    TRIATTN_CHECK(t != nullptr, api, path_, ": tensor ", name, " is missing from the ggml context");
+    tensor_desc d;
+    d.type = gguf_get_tensor_type(gguf_, id);
+    d.ne.assign(t->ne, t->ne + ggml_n_dims(t));
+    d.offset = gguf_get_data_offset(gguf_) + gguf_get_tensor_offset(gguf_, id);
+    d.bytes = gguf_get_tensor_size(gguf_, id);
+    return d;
+  }
+
+  /// Reads tensor `name` from the file and converts it to f32: F32 is copied, any type with a
+  /// ggml `to_float` (F16, BF16, Q4_1, Q8_0, ...) is dequantised. The result is row-major with
+  /// `ne[0]` fastest (ne = {in, out} is W[out][in]). Throws if the tensor is missing, its type
+  /// has no conversion, or the file is shorter than the tensor's data.
+  [[nodiscard]] std::vector<float> dequantize(const std::string& name) const {
+    constexpr const char* api = "ggml_bridge::gguf_file::dequantize";
+    const tensor_desc d = tensor_info(name);
+    const std::int64_t n = d.elements();
+    const auto* traits = ggml_get_type_traits(d.type);
+    TRIATTN_CHECK(d.type == GGML_TYPE_F32 || (traits != nullptr && traits->to_float != nullptr), api, path_,
+                  ": tensor ", name, " has type ", ggml_type_name(d.type), ", which has no conversion to f32");
+    TRIATTN_CHECK(d.bytes == ggml_row_size(d.type, n), api, path_, ": tensor ", name, " holds ", d.bytes,
+                  " bytes, expected ", ggml_row_size(d.type, n), " for ", n, " elements of ", ggml_type_name(d.type));
+
+    std::error_code ec;
+    const auto file_bytes = std::filesystem::file_size(path_, ec);
+    TRIATTN_CHECK(!ec, api, path_, ": cannot stat the file: ", ec.message());
+    TRIATTN_CHECK(d.offset + d.bytes <= file_bytes, api, path_, ": truncated: tensor ", name, " needs bytes [",
+                  d.offset, ", ", d.offset + d.bytes, ") but the file has ", file_bytes);
+
+    std::ifstream in(path_, std::ios::binary);
+    TRIATTN_CHECK(in.is_open(), api, path_, ": cannot open the file");
+    std::vector<char> raw(d.bytes);
+    in.seekg(static_cast<std::streamoff>(d.offset));
+    in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
+    TRIATTN_CHECK(in.gcount() == static_cast<std::streamsize>(raw.size()), api, path_, ": truncated: read ",
+                  in.gcount(), " of the ", raw.size(), " bytes of tensor ", name);
+
+    std::vector<float> out(static_cast<std::size_t>(n));
+    if (d.type == GGML_TYPE_F32) {
+      std::memcpy(out.data(), raw.data(), raw.size());
+    } else {
+      traits->to_float(raw.data(), out.data(), n);
+    }
+    return out;
+  }
+
+ private:
+  struct ggml_context_deleter {
+    void operator()(ggml_context* ctx) const { ggml_free(ctx); }
+  };
+
+  std::int64_t find_key(const std::string& key, const char* api) const {
+    const auto id = gguf_find_key(gguf_, key.c_str());
+    TRIATTN_CHECK(id >= 0, api, path_, ": no metadata key ", key);
+    return id;
+  }
+  void check_type(const std::string& key, std::int64_t id, gguf_type want, const char* api) const {
+    const auto type = gguf_get_kv_type(gguf_, id);
+    TRIATTN_CHECK(type == want, api, path_, ": key ", key, " has type ", gguf_type_name(type), ", not ",
+                  gguf_type_name(want));
+  }
+
+  std::filesystem::path path_;
+  gguf_context* gguf_ = nullptr;
+  std::unique_ptr<ggml_context, ggml_context_deleter> meta_;
+};
+
+namespace detail {
+
+struct model_deleter {
+  void operator()(llama_model* m) const { llama_model_free(m); }
+};
+struct context_deleter {
+  void operator()(llama_context* c) const { llama_free(c); }
+};
+using model_ptr = std::unique_ptr<llama_model, model_deleter>;
+using context_ptr = std::unique_ptr<llama_context, context_deleter>;
+
+/// Loads a model with llama.cpp on the CPU (only its vocabulary when `vocab_only`).
+inline model_ptr load_model(const std::filesystem::path& path, bool vocab_only, const char* api) {
+  init_backend();
+  std::error_code ec;
+  TRIATTN_CHECK(std::filesystem::is_regular_file(path, ec), api, path, ": no such file");
+  auto params = llama_model_default_params();
+  params.vocab_only = vocab_only;
+  params.n_gpu_layers = 0;
+  model_ptr model(llama_model_load_from_file(path.string().c_str(), params));
+  TRIATTN_CHECK(model != nullptr, api, path, ": llama_model_load_from_file failed");
+  return model;
+}
+
+}  // namespace detail
+
+/// llama.cpp's tokenizer and chat template for a GGUF model (only the vocabulary is loaded).
+class vocab {
+ public:
+  /// Loads the vocabulary of the GGUF model at `path`. Throws naming the path on failure.
+  explicit vocab(const std::filesystem::path& path)
+      : model_(detail::load_model(path, true, "ggml_bridge::vocab")), vocab_(llama_model_get_vocab(model_.get())) {
+    TRIATTN_CHECK(vocab_ != nullptr, "ggml_bridge::vocab", path, ": llama_model_get_vocab returned null");
+  }
+
+  /// Token ids of `text`. `add_special` adds the model's start/end tokens if its metadata
+  /// asks for them (SmolLM2 adds none); `parse_special` turns "<|im_start|>" and the like into
+  /// their special ids instead of plain text.
+  [[nodiscard]] std::vector<int> tokenize(std::string_view text, bool add_special, bool parse_special) const {
+    constexpr const char* api = "ggml_bridge::vocab::tokenize";
+    TRIATTN_CHECK(text.size() < static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()), api,
+                  "text of ", text.size(), " bytes is too long");
+    const auto len = static_cast<std::int32_t>(text.size());
+    std::vector<llama_token> out(text.size() + 8);
+    std::int32_t n = llama_tokenize(vocab_, text.data(), len, out.data(), static_cast<std::int32_t>(out.size()),
+                                    add_special, parse_special);
+    if (n < 0) {  // buffer too small: -n is the count needed
+      TRIATTN_CHECK(n != std::numeric_limits<std::int32_t>::min(), api, "llama_tokenize overflowed on ", text.size(),
+                    " bytes");
+      out.resize(static_cast<std::size_t>(-n));
+      n = llama_tokenize(vocab_, text.data(), len, out.data(), static_cast<std::int32_t>(out.size()), add_special,
+                         parse_special);
+      TRIATTN_CHECK(n >= 0, api, "llama_tokenize returned ", n, " with a buffer of ", out.size());
+    }
+    out.resize(static_cast<std::size_t>(n));
+    return {out.begin(), out.end()};
+  }
+
+  /// The text of token `id`, special tokens rendered (e.g. "<|im_end|>"). Throws if `id` is
+  /// out of range.
+  [[nodiscard]] std::string piece(int id) const {
+    constexpr const char* api = "ggml_bridge::vocab::piece";
+    TRIATTN_CHECK(id >= 0 && id < n_vocab(), api, "token ", id, " is outside [0, ", n_vocab(), ")");
+    std::string buf(32, '\0');
+    std::int32_t n = llama_token_to_piece(vocab_, id, buf.data(), static_cast<std::int32_t>(buf.size()), 0, true);
+    if (n < 0) {
+      buf.resize(static_cast<std::size_t>(-n));
+      n = llama_token_to_piece(vocab_, id, buf.data(), static_cast<std::int32_t>(buf.size()), 0, true);
+      TRIATTN_CHECK(n >= 0, api, "llama_token_to_piece(", id, ") returned ", n, " with a buffer of ", buf.size());
+    }
+    buf.resize(static_cast<std::size_t>(n));
+    return buf;
+  }
+
+  /// The concatenated pieces of `ids`.
+  [[nodiscard]] std::string detokenize(std::span<const int> ids) const {
+    std::string out;
+    for (const int id : ids) out += piece(id);
+    return out;
+  }
+
+  /// The start token id (SmolLM2: 1, "<|im_start|>").
+  [[nodiscard]] int bos() const { return llama_vocab_bos(vocab_); }
+  /// The end token id (SmolLM2: 2, "<|im_end|>").
+  [[nodiscard]] int eos() const { return llama_vocab_eos(vocab_); }
+  /// The number of tokens.
+  [[nodiscard]] int n_vocab() const { return llama_vocab_n_tokens(vocab_); }
+  /// Whether `id` ends a generation (end of turn, end of text, ...).
+  [[nodiscard]] bool is_eog(int id) const { return llama_vocab_is_eog(vocab_, id); }
+
+  /// A one-turn prompt in the model's chat template (`tokenizer.chat_template`), ending with
+  /// the assistant's turn opened: for SmolLM2 (ChatML)
+  /// "<|im_start|>user\n" + message + "<|im_end|>\n<|im_start|>assistant\n". llama.cpp applies
+  /// its built-in form of the template, which adds no default system message; pass one in
+  /// `system_message` to get a system turn first. Tokenize the result with parse_special.
+  [[nodiscard]] std::string chat_prompt(std::string_view user_message, std::string_view system_message = {}) const {
+    constexpr const char* api = "ggml_bridge::vocab::chat_prompt";
+    const char* tmpl = llama_model_chat_template(model_.get(), nullptr);
+    TRIATTN_CHECK(tmpl != nullptr, api, "the model has no tokenizer.chat_template");
+    const std::string user(user_message);
+    const std::string system(system_message);
+    std::vector<llama_chat_message> chat;
+    if (!system.empty()) chat.push_back({"system", system.c_str()});
+    chat.push_back({"user", user.c_str()});
+    std::string buf(2 * (user.size() + system.size()) + 256, '\0');
+    std::int32_t n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), true, buf.data(),
+                                               static_cast<std::int32_t>(buf.size()));
+    TRIATTN_CHECK(n >= 0, api, "llama_chat_apply_template does not support the model's template");
+    if (static_cast<std::size_t>(n) > buf.size()) {
+      buf.resize(static_cast<std::size_t>(n));
+      n = llama_chat_apply_template(tmpl, chat.data(), chat.size(), true, buf.data(),
+                                    static_cast<std::int32_t>(buf.size()));
+      TRIATTN_CHECK(n >= 0 && static_cast<std::size_t>(n) <= buf.size(), api, "llama_chat_apply_template returned ",
+                    n, " with a buffer of ", buf.size());
+    }
+    buf.resize(static_cast<std::size_t>(n));
+    return buf;
+  }
+
+  /// The underlying llama.cpp vocabulary (owned by this object).
+  [[nodiscard]] const llama_vocab* raw() const { return vocab_; }
+
+ private:
+  detail::model_ptr model_;
+  const llama_vocab* vocab_ = nullptr;
+};
+
+/// llama.cpp's own forward pass (CPU, `n_threads` threads) over `tokens` as one sequence from
+/// position 0: the logits after every token, row-major [tokens.size()][n_vocab]. Loads the
+/// model from `gguf` on each call; for parity tests.
+[[nodiscard]] inline std::vector<float> reference_logits(const std::filesystem::path& gguf,
+                                                         std::span<const int> tokens, int n_threads) {
+  constexpr const char* api = "ggml_bridge::reference_logits";
+  TRIATTN_CHECK(!tokens.empty(), api, "no tokens");
+  TRIATTN_CHECK(n_threads >= 1, api, "n_threads ", n_threads, " must be >= 1");
+  TRIATTN_CHECK(tokens.size() <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max() / 2), api,
+                tokens.size(), " tokens are too many");
+  const auto model = detail::load_model(gguf, false, api);
+  const llama_vocab* voc = llama_model_get_vocab(model.get());
+  const int n_vocab = llama_vocab_n_tokens(voc);
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    TRIATTN_CHECK(tokens[i] >= 0 && tokens[i] < n_vocab, api, gguf, ": token ", tokens[i], " at ", i,
+                  " is outside [0, ", n_vocab, ")");
+  }
+
+  const auto n = static_cast<std::int32_t>(tokens.size());
+  const std::int32_t chunk = std::min<std::int32_t>(n, 512);
+  auto cparams = llama_context_default_params();
+  cparams.n_ctx = static_cast<std::uint32_t>(n);
+  cparams.n_batch = static_cast<std::uint32_t>(chunk);
+  cparams.n_ubatch = static_cast<std::uint32_t>(chunk);
+  cparams.n_seq_max = 1;
+  cparams.n_threads = n_threads;
+  cparams.n_threads_batch = n_threads;
+  cparams.no_perf = true;
+  detail::context_ptr ctx(llama_init_from_model(model.get(), cparams));
+  TRIATTN_CHECK(ctx != nullptr, api, gguf, ": llama_init_from_model failed for n_ctx ", n);
+
+  struct batch_guard {
+    llama_batch b;
+    ~batch_guard() { llama_batch_free(b); }
+  } batch{llama_batch_init(chunk, 0, 1)};
+
+  std::vector<float> logits(tokens.size() * static_cast<std::size_t>(n_vocab));
+  for (std::int32_t start = 0; start < n; start += chunk) {
+    const std::int32_t len = std::min(chunk, n - start);
+    batch.b.n_tokens = len;
+    for (std::int32_t j = 0; j < len; ++j) {
+      batch.b.token[j] = tokens[static_cast<std::size_t>(start + j)];
+      batch.b.pos[j] = start + j;
+      batch.b.n_seq_id[j] = 1;
+      batch.b.seq_id[j][0] = 0;
+      batch.b.logits[j] = 1;
+    }
+    const std::int32_t rc = llama_decode(ctx.get(), batch.b);
+    TRIATTN_CHECK(rc == 0, api, gguf, ": llama_decode returned ", rc, " for tokens [", start, ", ", start + len, ")");
+    for (std::int32_t j = 0; j < len; ++j) {
+      const float* row = llama_get_logits_ith(ctx.get(), j);
+      TRIATTN_CHECK(row != nullptr, api, gguf, ": llama_get_logits_ith(", j, ") returned null");
+      std::memcpy(logits.data() + static_cast<std::size_t>(start + j) * static_cast<std::size_t>(n_vocab), row,
+                  static_cast<std::size_t>(n_vocab) * sizeof(float));
+    }
+  }
+  return logits;
+}
+
+}  // namespace ggml_bridge

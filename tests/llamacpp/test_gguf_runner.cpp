@@ -1,0 +1,106 @@
+// The examples' runner on SmolLM2-135M-Instruct (gguf/gguf_model.hpp) against llama.cpp's own
+// forward pass over the same GGUF and the same tokens: the config read from the metadata,
+// and teacher-forced parity over 1,024 tokens of English text (next-token argmax agreement
+// and KL(llama.cpp || runner)), decoded as a batch of two windows.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gguf/ggml_bridge.hpp"
+#include "gguf/gguf_model.hpp"
+#include "llama2c/llama2c.hpp"
+#include "support/data.hpp"
+
+namespace {
+
+const std::filesystem::path gguf_path = TRIATTN_SMOLLM2_GGUF;
+
+const llama2c::model& smollm2() {
+  static const llama2c::model m = gguf_model::load(gguf_path);
+  return m;
+}
+
+TEST_CASE("the runner's config comes from SmolLM2's GGUF metadata", "[gguf]") {
+  const llama2c::config& c = smollm2().config();
+  CHECK(c.n_layers == 30);
+  CHECK(c.dim == 576);
+  CHECK(c.hidden_dim == 1536);
+  CHECK(c.n_heads == 9);
+  CHECK(c.n_kv_heads == 3);
+  CHECK(c.head_dim == 64);
+  CHECK(c.vocab_size == 49152);
+  CHECK(c.seq_len == 8192);
+  CHECK(c.shared_classifier);
+  CHECK(c.rms_eps == Approx(1e-5f));
+  CHECK(c.rope.theta == 100000.0);
+  CHECK(c.rope.style == triattn::rope_style::interleaved);
+}
+
+TEST_CASE("teacher-forced, the runner agrees with llama.cpp on 1,024 tokens", "[gguf][parity]") {
+  REQUIRE(triattn_test::data_available());
+  const std::string text = llama2c::read_file(triattn_test::data_dir() / "data" / "tinystories_valid_head.txt");
+  const ggml_bridge::vocab vocab(gguf_path);
+  const std::vector<int> ids = vocab.tokenize(text, false, false);
+  constexpr std::size_t windows = 2, window = 512;
+  REQUIRE(ids.size() >= windows * window);
+
+  // Both windows decoded together by the runner; llama.cpp decodes each on its own.
+  const llama2c::model& m = smollm2();
+  const auto V = static_cast<std::size_t>(m.config().vocab_size);
+  std::vector<llama2c::session> sessions;
+  std::vector<llama2c::session*> batch;
+  for (std::size_t w = 0; w < windows; ++w) sessions.emplace_back(m, window);
+  for (auto& s : sessions) batch.push_back(&s);
+  std::vector<std::vector<float>> ours(windows, std::vector<float>(window * V));
+  llama2c::batch_decoder decoder(m);
+  for (std::size_t t = 0; t < window; ++t) {
+    std::vector<int> tokens;
+    for (std::size_t w = 0; w < windows; ++w) tokens.push_back(ids[w * window + t]);
+    decoder.step(batch, tokens);
+    for (std::size_t w = 0; w < windows; ++w) {
+      const std::span<const float> l = decoder.logits(static_cast<int>(w));
+      std::copy(l.begin(), l.end(), ours[w].begin() + static_cast<std::ptrdiff_t>(t * V));
+    }
+  }
+
+  double kl = 0, nll_ours = 0, nll_theirs = 0;
+  std::size_t agree = 0, n = 0;
+  const auto nll = [&](std::span<const float> z, int next) {
+    const double max = *std::max_element(z.begin(), z.end());
+    double sum = 0;
+    for (const float v : z) sum += std::exp(v - max);
+    return max + std::log(sum) - z[static_cast<std::size_t>(next)];
+  };
+  for (std::size_t w = 0; w < windows; ++w) {
+    const std::vector<float> theirs =
+        ggml_bridge::reference_logits(gguf_path, std::span(ids).subspan(w * window, window), 2);
+    REQUIRE(theirs.size() == window * V);
+    for (std::size_t t = 0; t < window; ++t) {
+      const std::span<const float> a(theirs.data() + t * V, V), b(ours[w].data() + t * V, V);
+      kl += llama2c::kl_divergence(a, b);
+      agree += llama2c::argmax(a) == llama2c::argmax(b);
+      if (t + 1 < window) {
+        nll_theirs += nll(a, ids[w * window + t + 1]);
+        nll_ours += nll(b, ids[w * window + t + 1]);
+      }
+      ++n;
+    }
+  }
+  const double agreement = static_cast<double>(agree) / static_cast<double>(n);
+  const double mean_kl = kl / static_cast<double>(n);
+  const double pairs = static_cast<double>(windows * (window - 1));
+  std::printf("parity over %zu tokens: argmax agreement %.4f, mean KL(llama.cpp || runner) %.5f nats, "
+              "NLL llama.cpp %.4f, runner %.4f\n",
+              n, agreement, mean_kl, nll_theirs / pairs, nll_ours / pairs);
+  CHECK(agreement >= 0.97);
+  CHECK(mean_kl <= 0.02);
+}
+
+}  // namespace
