@@ -1,10 +1,12 @@
 // triattn_demo: a real model (stories260K) writes a story with a compressed KV cache, while
 // a second copy with the full cache reads the same tokens. Per policy it reports the story,
 // the KV memory saved, and how far compression moved the next-token distribution
-// (KL(full || compressed), per generated token).
+// (KL(full || compressed), per generated token). It needs nothing outside the repository: the
+// model is models/stories260K, and TriAttention is calibrated on text the model samples itself.
 //
 //   triattn_demo [--policy full,streaming_llm] [--budget 64] [--slack 16] [--steps 256]
 //                [--model stories260K.bin] [--tokenizer tok512.bin]
+//                [--stats FILE | --calibration-text FILE | --calibration-seed N] [--calibration-windows N]
 
 #include <algorithm>
 #include <charconv>
@@ -24,8 +26,9 @@
 #include "llama2c/policies.hpp"
 #include "triattn/triattn.hpp"
 
-#ifndef TRIATTN_DEFAULT_DATA_DIR
-#define TRIATTN_DEFAULT_DATA_DIR ""
+// The repository's models/stories260K (examples/CMakeLists.txt sets it).
+#ifndef TRIATTN_DEFAULT_MODEL_DIR
+#define TRIATTN_DEFAULT_MODEL_DIR ""
 #endif
 
 namespace {
@@ -45,16 +48,18 @@ struct options {
   std::int64_t slack = 16;
   int steps = 256;
   fs::path model, tokenizer;
-  fs::path stats;        ///< TriAttention statistics; calibrated here when empty
-  fs::path calibration;  ///< text to calibrate on when no --stats is given
+  fs::path stats;             ///< TriAttention statistics; calibrated here when empty
+  fs::path calibration_text;  ///< text to calibrate on; empty: text the model samples
   int calibration_windows = 20;
+  std::uint64_t calibration_seed = 1;    ///< of the sampled windows
+  double calibration_temperature = 1.0;  ///< of the sampled windows
 
   triattn::schedule schedule() const { return triattn::schedule::with_slack(slack); }
 };
 
-// A file of the bundled data folder, or an empty path when none was configured.
-fs::path default_data_file(const fs::path& name) {
-  const fs::path dir = TRIATTN_DEFAULT_DATA_DIR;
+// A file of the repository's models/stories260K, or an empty path when none was compiled in.
+fs::path default_model_file(const fs::path& name) {
+  const fs::path dir = TRIATTN_DEFAULT_MODEL_DIR;
   return dir.empty() ? fs::path() : dir / name;
 }
 
@@ -72,11 +77,13 @@ void print_help() {
       "  --budget N        tokens kept per (layer, KV head) after a round (default 64)\n"
       "  --slack N         a round runs when the cache reaches budget + slack (default 16)\n"
       "  --steps N         tokens to generate; stops early when the story ends (default 256)\n"
-      "  --model PATH      llama2.c checkpoint (default: stories260K.bin of TRIATTN_DATA_DIR)\n"
-      "  --tokenizer PATH  its tokenizer (default: tok512.bin next to the default model)\n"
-      "  --stats PATH      TriAttention statistics (`triattn calibrate`); without it the demo\n"
-      "                    calibrates first on --calibration-text (default: the data folder's\n"
-      "                    tinystories_train_head.txt), --calibration-windows windows (default 20)\n"
+      "  --model PATH      llama2.c checkpoint (default: this repository's models/stories260K)\n"
+      "  --tokenizer PATH  its tokenizer (default: tok512.bin beside the default model)\n"
+      "  --stats PATH      TriAttention statistics (`triattn calibrate`); without it the demo calibrates\n"
+      "                    first, on --calibration-windows windows of the model's context (default 20)\n"
+      "                    that the model samples from BOS at temperature 1 (seed --calibration-seed,\n"
+      "                    default 1), or on windows of --calibration-text FILE (paragraphs split at\n"
+      "                    blank lines, as `triattn calibrate` reads them)\n"
       "  --help            this text\n\n"
       "policies:\n");
   for (const llama2c::policy_entry& e : llama2c::policy_registry)
@@ -108,9 +115,8 @@ std::vector<std::string> split_policies(std::string_view list) {
 
 options parse(int argc, char** argv) {
   options o;
-  o.model = default_data_file("models/stories260K/stories260K.bin");
-  o.tokenizer = default_data_file("models/stories260K/tok512.bin");
-  o.calibration = default_data_file("data/tinystories_train_head.txt");
+  o.model = default_model_file("stories260K.bin");
+  o.tokenizer = default_model_file("tok512.bin");
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
     if (arg == "--help" || arg == "-h") {
@@ -143,9 +149,11 @@ options parse(int argc, char** argv) {
     } else if (arg == "--stats") {
       o.stats = value;
     } else if (arg == "--calibration-text") {
-      o.calibration = value;
+      o.calibration_text = value;
     } else if (arg == "--calibration-windows") {
       o.calibration_windows = parse_int<int>(arg, value, 1);
+    } else if (arg == "--calibration-seed") {
+      o.calibration_seed = parse_int<std::uint64_t>(arg, value, 0);
     } else {
       usage_error("unknown option " + std::string(arg));
     }
@@ -153,19 +161,17 @@ options parse(int argc, char** argv) {
   return o;
 }
 
-// The model is third-party data that the repository does not ship: say where to get it.
-[[noreturn]] void missing_data(const char* what, const fs::path& file) {
+// A file the demo needs is not there: name it, and where the default model comes from.
+[[noreturn]] void missing_file(const char* what, const fs::path& file) {
   if (file.empty()) {
-    std::fprintf(stderr, "triattn_demo: no %s file given, and the build has no data folder configured\n", what);
+    std::fprintf(stderr, "triattn_demo: no %s file given, and the build compiled in no default\n", what);
   } else {
     std::fprintf(stderr, "triattn_demo: %s file not found: \"%s\"\n", what, file.string().c_str());
   }
   std::fprintf(stderr,
-               "  The model and text are not in the repository. Point the CMake cache variable\n"
-               "  TRIATTN_DATA_DIR at a folder holding models/stories260K/{stories260K.bin,tok512.bin} and\n"
-               "  data/tinystories_train_head.txt and rebuild, or pass --model, --tokenizer and --stats.\n"
-               "  Upstream: https://huggingface.co/karpathy/tinyllamas (folder stories260K: stories260K.bin,\n"
-               "  tok512.bin); the TinyStories dataset (roneneldan/TinyStories on the Hugging Face hub).\n");
+               "  The default model is the repository's models/stories260K/{stories260K.bin,tok512.bin}\n"
+               "  (upstream: https://huggingface.co/karpathy/tinyllamas, folder stories260K); pass --model\n"
+               "  and --tokenizer for another copy.\n");
   std::exit(2);
 }
 
@@ -244,14 +250,24 @@ void print_story(const std::string& text) {
   }
 }
 
-// TriAttention's statistics: from --stats, or calibrated now on text the story is not from.
+// TriAttention's statistics: from --stats, or calibrated now, on --calibration-text or on
+// windows the model samples itself (not the greedy story it then writes).
 triattn::query_stats load_or_calibrate(const llama2c::model& m, const llama2c::tokenizer& tok, const options& o) {
-  if (!o.stats.empty()) return triattn::load_stats(o.stats);
-  if (o.calibration.empty() || !fs::is_regular_file(o.calibration))
-    missing_data("calibration text", o.calibration);
-  std::printf("calibrating TriAttention on %d windows of %s (save stats once with `triattn calibrate`)\n",
-              o.calibration_windows, o.calibration.filename().string().c_str());
-  return llama2c::calibrate(m, tok, llama2c::read_file(o.calibration), o.calibration_windows);
+  if (!o.stats.empty()) {
+    std::printf("TriAttention statistics from %s\n", o.stats.string().c_str());
+    return triattn::load_stats(o.stats);
+  }
+  if (!o.calibration_text.empty()) {
+    if (!fs::is_regular_file(o.calibration_text)) missing_file("calibration text", o.calibration_text);
+    std::printf("calibrating TriAttention on %d windows of %s\n", o.calibration_windows,
+                o.calibration_text.filename().string().c_str());
+    return llama2c::calibrate(m, tok, llama2c::read_file(o.calibration_text), o.calibration_windows);
+  }
+  std::printf("calibrating TriAttention on %d windows of %d tokens that the model samples from BOS\n"
+              "(temperature %g, seed %llu; --calibration-text FILE calibrates on text instead)\n",
+              o.calibration_windows, m.config().seq_len, o.calibration_temperature,
+              static_cast<unsigned long long>(o.calibration_seed));
+  return llama2c::calibrate_on_samples(m, o.calibration_windows, o.calibration_seed, o.calibration_temperature);
 }
 
 void print_table(const std::vector<run_result>& results) {
@@ -266,8 +282,8 @@ void print_table(const std::vector<run_result>& results) {
 
 int main(int argc, char** argv) {
   const options o = parse(argc, argv);
-  if (!fs::is_regular_file(o.model)) missing_data("model", o.model);
-  if (!fs::is_regular_file(o.tokenizer)) missing_data("tokenizer", o.tokenizer);
+  if (!fs::is_regular_file(o.model)) missing_file("model", o.model);
+  if (!fs::is_regular_file(o.tokenizer)) missing_file("tokenizer", o.tokenizer);
   try {
     const llama2c::model m = llama2c::model::load(o.model);
     const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);

@@ -1,12 +1,15 @@
 /// \file llama2c/calibration.hpp
-/// \brief TriAttention calibration of a llama2.c model: run text windows through a session
-/// and accumulate the query statistics. Used by `triattn calibrate` and the demo.
+/// \brief TriAttention calibration of a llama2.c model: run windows of tokens through a session
+/// and accumulate the query statistics, on given text (`triattn calibrate`) or on text the
+/// model samples itself (the demo, which ships no text).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -16,6 +19,9 @@
 #include "triattn/calibration/query_stats.hpp"
 
 namespace llama2c {
+
+/// `progress(done, total)`: called after each calibration window.
+using calibration_progress = std::function<void(std::size_t, std::size_t)>;
 
 /// Feeds every (layer, q-head) query of a session to a stats accumulator, one layer at a time
 /// (the accumulator takes all q-heads of a layer together).
@@ -37,25 +43,139 @@ class query_collector final : public observer {
   std::vector<float> layer_q_;  // [q_heads, head_dim]
 };
 
+/// One draw from softmax(logits / temperature), by inverse CDF of one uniform in [0, 1) made
+/// from the top 53 bits of one `rng()` call. Fully specified (no std distribution, whose
+/// output is implementation-defined), so a seed gives the same tokens on every platform
+/// whose logits agree. `temperature` must be finite and > 0.
+inline int sample_token(std::span<const float> logits, double temperature, std::mt19937_64& rng) {
+  TRIATTN_CHECK(!logits.empty(), "llama2c::sample_token", "no logits");
+  TRIATTN_CHECK(temperature > 0.0 && std::isfinite(temperature), "llama2c::sample_token", "temperature ", temperature,
+                " must be finite and > 0");
+  const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+  const double max = *std::max_element(logits.begin(), logits.end());
+  double sum = 0.0;
+  for (const float z : logits) sum += std::exp((z - max) / temperature);
+  // The first token whose cumulative weight passes u * sum; the last one with any weight
+  // when rounding leaves the scan short of it.
+  const double target = u * sum;
+  double cumulative = 0.0;
+  int last = 0;
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    const double w = std::exp((logits[i] - max) / temperature);
+    if (w <= 0.0) continue;
+    cumulative += w;
+    last = static_cast<int>(i);
+    if (cumulative > target) return last;
+  }
+  return last;
+}
+
+/// The generator of sampled window `w` for `seed`: every window has its own stream, so
+/// windows can be drawn together in a batch. std::seed_seq's mixing is fully specified.
+inline std::mt19937_64 window_rng(std::uint64_t seed, std::size_t w) {
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                    static_cast<std::uint32_t>(w), static_cast<std::uint32_t>(static_cast<std::uint64_t>(w) >> 32)};
+  return std::mt19937_64(seq);
+}
+
+/// Windows decoded together by `calibrate_windows`: the runner shares each read of the
+/// weights between them, and the statistics do not depend on it.
+inline constexpr int calibration_batch = 8;
+
+namespace detail {
+
+/// The loop every calibration shares: windows [0, count) of `length` tokens, `batch` of them
+/// decoded together, each into a fresh session whose every query is collected into the
+/// window's own accumulator. `next(w, t, logits)` is token t of window w, given the logits
+/// that followed its token t - 1 (empty for t = 0). One window is one trace; traces weigh the
+/// same. The windows' accumulators are merged in window order, so the statistics are the same
+/// bits for any batch.
+template <class Next>
+triattn::query_stats calibrate_windows(const model& m, std::size_t count, int length, Next&& next,
+                                       const calibration_progress& progress, int batch = calibration_batch) {
+  const char* api = "llama2c::calibrate_windows";
+  TRIATTN_CHECK(length >= 1 && length <= m.config().seq_len, api, "window length ", length, " must be in [1, ",
+                m.config().seq_len, "] (the model's context)");
+  TRIATTN_CHECK(batch >= 1, api, "batch ", batch, " must be >= 1");
+  std::vector<session> sessions;
+  for (std::size_t i = 0; i < std::min<std::size_t>(count, static_cast<std::size_t>(batch)); ++i)
+    sessions.emplace_back(m, length);
+  TRIATTN_CHECK(!sessions.empty(), api, "no windows");
+  const triattn::kv_geometry geo = sessions.front().view().geo;
+  triattn::query_stats_accumulator total(geo);
+  batch_decoder decoder(m);
+  for (std::size_t w0 = 0; w0 < count; w0 += sessions.size()) {
+    const std::size_t k = std::min(sessions.size(), count - w0);
+    std::vector<triattn::query_stats_accumulator> accs(k, triattn::query_stats_accumulator(geo));
+    std::vector<query_collector> collectors;
+    collectors.reserve(k);  // the sessions point at them
+    std::vector<session*> group;
+    for (std::size_t i = 0; i < k; ++i) {
+      sessions[i].reset();
+      sessions[i].set_observer(&collectors.emplace_back(accs[i], m.config()));
+      group.push_back(&sessions[i]);
+    }
+    std::vector<int> tokens(k);
+    for (int t = 0; t < length; ++t) {
+      for (std::size_t i = 0; i < k; ++i)
+        tokens[i] = next(w0 + i, t, t == 0 ? std::span<const float>() : decoder.logits(static_cast<int>(i)));
+      decoder.step(group, tokens);
+    }
+    for (std::size_t i = 0; i < k; ++i) {
+      sessions[i].set_observer(nullptr);
+      accs[i].end_trace();
+      total.merge(accs[i]);
+      if (progress) progress(w0 + i + 1, count);
+    }
+  }
+  return total.finish(triattn::merge_mode::per_trace);
+}
+
+}  // namespace detail
+
+/// Calibrates on `windows` of tokens (each at most the model's context, all of one length),
+/// decoded `calibration_batch` at a time. `progress(done, total)` is called after each window.
+inline triattn::query_stats calibrate(const model& m, const std::vector<std::vector<int>>& windows,
+                                      const calibration_progress& progress = {}) {
+  TRIATTN_CHECK(!windows.empty(), "llama2c::calibrate", "no windows");
+  const std::size_t length = windows.front().size();
+  for (const std::vector<int>& w : windows)
+    TRIATTN_CHECK(w.size() == length, "llama2c::calibrate", "windows of ", w.size(), " and ", length, " tokens");
+  return detail::calibrate_windows(
+      m, windows.size(), static_cast<int>(length),
+      [&](std::size_t w, int t, std::span<const float>) { return windows[w][static_cast<std::size_t>(t)]; }, progress);
+}
+
 /// Calibrates on up to `max_windows` windows of `text` (shared/spec/cli.md: paragraphs split at
 /// blank lines, BOS + tokens each, concatenated to the model's context). One window is one
 /// trace; traces weigh the same. `progress(done, total)` is called after each window.
 inline triattn::query_stats calibrate(const model& m, const tokenizer& tok, std::string_view text, int max_windows,
-                                      const std::function<void(std::size_t, std::size_t)>& progress = {}) {
+                                      const calibration_progress& progress = {}) {
   const auto windows = text_windows(tok, text, m.config().seq_len, max_windows);
   TRIATTN_CHECK(!windows.empty(), "llama2c::calibrate", "the text holds no full window of ", m.config().seq_len,
                 " tokens");
-  session s(m, m.config().seq_len);
-  triattn::query_stats_accumulator acc(s.view().geo);
-  query_collector collector(acc, m.config());
-  s.set_observer(&collector);
-  for (std::size_t w = 0; w < windows.size(); ++w) {
-    s.reset();
-    for (const int token : windows[w]) s.forward(token);
-    acc.end_trace();
-    if (progress) progress(w + 1, windows.size());
-  }
-  return acc.finish(triattn::merge_mode::per_trace);
+  return calibrate(m, windows, progress);
+}
+
+/// Calibrates on `windows` windows of `length` tokens (default: the model's context) that the
+/// model samples itself, so that no text is needed: each window starts at BOS, and each next
+/// token is drawn (sample_token, at `temperature`) from the logits of the one before; where
+/// the model ends a story (it emits BOS) the window goes on with the next story, as
+/// text_windows' windows of BOS-separated paragraphs do. Window w draws from
+/// window_rng(seed, w): the same seed gives the same statistics, bit for bit.
+/// `progress(done, total)` is called after each window.
+inline triattn::query_stats calibrate_on_samples(const model& m, int windows, std::uint64_t seed,
+                                                 double temperature = 1.0,
+                                                 const calibration_progress& progress = {}, int length = 0) {
+  TRIATTN_CHECK(windows >= 1, "llama2c::calibrate_on_samples", "windows ", windows, " must be >= 1");
+  std::vector<std::mt19937_64> rngs;
+  for (int w = 0; w < windows; ++w) rngs.push_back(window_rng(seed, static_cast<std::size_t>(w)));
+  return detail::calibrate_windows(
+      m, static_cast<std::size_t>(windows), length > 0 ? length : m.config().seq_len,
+      [&](std::size_t w, int t, std::span<const float> logits) {
+        return t == 0 ? bos_id : sample_token(logits, temperature, rngs[w]);
+      },
+      progress);
 }
 
 }  // namespace llama2c
