@@ -4,6 +4,11 @@
 //                --policies full,random,window,... --budgets 32,64,128,256 --windows N
 //                --divide-length D --out DIR [--quick] [--threads T] [--prompts P]
 //   triattn_eval --list-policies      (the rows it knows, one name a line: for scripts and plots)
+//   triattn_eval tokenize --model M --text FILE --out T.npy
+//   triattn_eval logits --model M --tokens T.npy --out L.npy [--policy P --budget B --slack D --stats S]
+//
+// M is a llama2.c checkpoint (with --tokenizer T.bin) or, in a build with llama.cpp, a GGUF
+// file. `tokenize` and `logits` let other engines be compared with the runner token for token.
 //
 // Rows: `full`, the references `random` and `window`, every compressing policy of the roster
 // (llama2c::policy_registry, in its order), then variants of TriAttention.
@@ -27,6 +32,7 @@
 // stderr, exit code 2.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <charconv>
 #include <chrono>
@@ -37,6 +43,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -48,6 +55,8 @@
 
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
+#include "llama2c/text_model.hpp"
+#include "triattn/io/npy.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/triattn.hpp"
 
@@ -197,6 +206,10 @@ std::string usage_text() {
       "                    [--divide-length 16] [--prompts 50] [--gen-tokens 400] [--threads T]\n"
       "                    --out DIR [--quick]\n"
       "       triattn_eval --list-policies   (the policy names, one a line)\n"
+      "       triattn_eval tokenize --model M [--tokenizer T] --text FILE --out T.npy\n"
+      "       triattn_eval logits --model M [--tokenizer T] --tokens T.npy --out L.npy\n"
+      "                    [--policy P --budget B [--slack 16] [--stats S]]\n"
+      "M: a llama2.c checkpoint (with --tokenizer) or a GGUF file (tokenizer inside).\n"
       "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n"
       "policies (default: all of them):\n";
   for (const eval_policy& p : all_policies()) {
@@ -329,6 +342,42 @@ struct window_sums {
   std::int64_t n = 0;
 };
 
+/// A round when the policy's schedule (the evaluation's, given at construction) says so.
+/// No prompt protection: the round context holds the next token's position, no prompt.
+inline bool maybe_compress(llama2c::any_policy& policy, llama2c::session& s, std::int64_t budget) {
+  return triattn::maybe_compress(policy, s.view(), budget, triattn::round_context{s.position(), 0});
+}
+
+/// One sequence of the evaluation: a session, its policy (none for `full`) fed with the
+/// session's attention, and the round schedule.
+struct runner {
+  llama2c::session session;
+  std::optional<llama2c::any_policy> policy;
+  std::optional<llama2c::policy_observer> feed;
+  std::int64_t budget;
+  std::int64_t peak = 0;
+  bool compressed = false;
+
+  runner(const llama2c::model& m, std::int64_t capacity, std::optional<llama2c::any_policy> p, std::int64_t b)
+      : session(m, capacity), policy(std::move(p)), budget(b) {
+    if (policy) {
+      policy->attach(session.view());
+      feed.emplace(*policy);
+      session.set_observer(&*feed);
+    }
+  }
+  runner(const runner&) = delete;
+  runner& operator=(const runner&) = delete;
+
+  /// Forward, then a round when the schedule says so. The logits stay valid until the next step.
+  std::span<const float> step(int token) {
+    const auto logits = session.forward(token);
+    peak = std::max(peak, session.kv_bytes());
+    if (policy) compressed |= maybe_compress(*policy, session, budget);
+    return logits;
+  }
+};
+
 struct job {  // one compressed (policy, budget) row
   std::size_t policy;  // index into the evaluated policies
   std::size_t budget;  // index into options::budgets
@@ -441,40 +490,6 @@ class evaluator {
       if (sched_.should_compress(t + 1, budget, t + 1)) return t;
     return steps;
   }
-
-  /// A round when the policy's schedule (the evaluation's, given at construction) says so.
-  /// No prompt protection: the round context holds the next token's position, no prompt.
-  static bool maybe_compress(llama2c::any_policy& policy, llama2c::session& s, std::int64_t budget) {
-    return triattn::maybe_compress(policy, s.view(), budget, triattn::round_context{s.position(), 0});
-  }
-
-  struct runner {
-    llama2c::session session;
-    std::optional<llama2c::any_policy> policy;
-    std::optional<llama2c::policy_observer> feed;
-    std::int64_t budget;
-    std::int64_t peak = 0;
-    bool compressed = false;
-
-    runner(const llama2c::model& m, std::int64_t capacity, std::optional<llama2c::any_policy> p, std::int64_t b)
-        : session(m, capacity), policy(std::move(p)), budget(b) {
-      if (policy) {
-        policy->attach(session.view());
-        feed.emplace(*policy);
-        session.set_observer(&*feed);
-      }
-    }
-    runner(const runner&) = delete;
-    runner& operator=(const runner&) = delete;
-
-    /// Forward, then a round when the schedule says so. The logits stay valid until the next step.
-    std::span<const float> step(int token) {
-      const auto logits = session.forward(token);
-      peak = std::max(peak, session.kv_bytes());
-      if (policy) compressed |= maybe_compress(*policy, session, budget);
-      return logits;
-    }
-  };
 
   void run_window(std::size_t w) {
     const std::vector<int>& tokens = windows_[w];
@@ -699,7 +714,100 @@ void evaluator::write(const fs::path& dir, int threads) const {
   put("quality.md", md.str());
 }
 
+// ------------------------------------------------------------------------------------------
+// `tokenize` and `logits` (shared/spec/cli.md): the runner token for token, for comparisons
+// with other engines.
+
+/// `--name value` / `--name=value` pairs of a subcommand; an option not in `known` is an error.
+std::map<std::string, std::string> subcommand_options(int argc, char** argv, std::initializer_list<std::string_view> known) {
+  std::map<std::string, std::string> out;
+  for (int i = 2; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> value;
+    if (const auto eq = arg.find('='); eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg.resize(eq);
+    }
+    if (std::find(known.begin(), known.end(), arg) == known.end())
+      throw usage_error{std::string(argv[1]) + ": unknown option " + arg};
+    if (!value) {
+      if (i + 1 >= argc) throw usage_error{"option " + arg + " needs a value"};
+      value = argv[++i];
+    }
+    out[arg] = *value;
+  }
+  return out;
+}
+
+std::string required(const std::map<std::string, std::string>& o, const std::string& name, const char* command) {
+  const auto it = o.find(name);
+  if (it == o.end() || it->second.empty()) throw usage_error{std::string(command) + ": missing " + name};
+  return it->second;
+}
+
+/// `tokenize --model M [--tokenizer T] --text FILE --out T.npy`: int32 [N], the start token
+/// the tokenizer adds, then the text's tokens.
+int run_tokenize(int argc, char** argv) {
+  const auto o = subcommand_options(argc, argv, {"--model", "--tokenizer", "--text", "--out"});
+  const fs::path out = required(o, "--out", "tokenize"), text_path = required(o, "--text", "tokenize");
+  const llama2c::text_model m = llama2c::text_model::load(required(o, "--model", "tokenize"),
+                                                          o.contains("--tokenizer") ? o.at("--tokenizer") : "",
+                                                          "triattn_eval tokenize");
+  const std::vector<int> ids = m.encode(llama2c::read_file(text_path, "triattn_eval tokenize"));
+  const std::vector<std::int32_t> data(ids.begin(), ids.end());
+  const std::array<std::int64_t, 1> shape{static_cast<std::int64_t>(data.size())};
+  triattn::io::write_npy(out, triattn::io::element_kind::i32, shape, data.data());
+  return 0;
+}
+
+/// `logits --model M [--tokenizer T] --tokens T.npy --out L.npy [--policy P --budget B
+/// --slack D --stats S]`: float32 [N, vocab], teacher-forced, with the cache compressed as in
+/// the evaluation when a policy is given.
+int run_logits(int argc, char** argv) {
+  const auto o = subcommand_options(argc, argv,
+                                    {"--model", "--tokenizer", "--tokens", "--out", "--policy", "--budget", "--slack", "--stats"});
+  const char* api = "triattn_eval logits";
+  const fs::path out = required(o, "--out", "logits"), tokens_path = required(o, "--tokens", "logits");
+  const std::string policy_name = o.contains("--policy") ? o.at("--policy") : std::string(llama2c::full_name);
+  const std::vector<eval_policy> known = all_policies();
+  const auto p = std::find_if(known.begin(), known.end(), [&](const eval_policy& e) { return e.name == policy_name; });
+  if (p == known.end()) throw usage_error{"logits: unknown policy " + policy_name};
+  const bool compressing = policy_name != llama2c::full_name;
+  const std::int64_t budget = compressing ? parse_int("--budget", required(o, "--budget", "logits"), 1) : 0;
+  const std::int64_t slack = o.contains("--slack") ? parse_int("--slack", o.at("--slack"), 1) : 16;
+  std::optional<triattn::query_stats> stats;
+  if (p->needs_stats) stats = triattn::load_stats(required(o, "--stats", "logits"));
+
+  const triattn::io::npy_array t = triattn::io::read_npy(tokens_path);
+  TRIATTN_CHECK(t.shape.size() == 1 && t.shape[0] >= 1, api, tokens_path, ": tokens must be a non-empty 1-D array, got ",
+                t.shape.size(), " dimensions");
+  TRIATTN_CHECK(t.kind == triattn::io::element_kind::i32 || t.kind == triattn::io::element_kind::i64, api, tokens_path,
+                ": tokens must be int32 or int64, got ", triattn::io::element_kind_name(t.kind));
+  const std::vector<std::int64_t> tokens = t.to_int64();
+  const llama2c::text_model m = llama2c::text_model::load(required(o, "--model", "logits"),
+                                                          o.contains("--tokenizer") ? o.at("--tokenizer") : "", api);
+  const std::int64_t vocab = m.model().config().vocab_size;
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    TRIATTN_CHECK(tokens[i] >= 0 && tokens[i] < vocab, api, tokens_path, ": token ", tokens[i], " at index ", i,
+                  " is outside [0, vocab ", vocab, ")");
+
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  const triattn::schedule sched = triattn::schedule::with_slack(slack);
+  runner r(m.model(), compressing ? std::min(n, sched.peak_tokens(budget)) : n,
+           p->make(stats ? &*stats : nullptr, 0, sched), budget);
+  std::vector<float> logits(static_cast<std::size_t>(n * vocab));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::span<const float> l = r.step(static_cast<int>(tokens[static_cast<std::size_t>(i)]));
+    std::copy(l.begin(), l.end(), logits.begin() + i * vocab);
+  }
+  const std::array<std::int64_t, 2> shape{n, vocab};
+  triattn::io::write_npy(out, triattn::io::element_kind::f32, shape, logits.data());
+  return 0;
+}
+
 int run(int argc, char** argv) {
+  if (argc > 1 && std::string_view(argv[1]) == "tokenize") return run_tokenize(argc, argv);
+  if (argc > 1 && std::string_view(argv[1]) == "logits") return run_logits(argc, argv);
   const options o = parse(argc, argv);
   const llama2c::model m = llama2c::model::load(o.model);
   const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);

@@ -5,6 +5,7 @@
 //   triattn select <policy> --keys K.npy ... --budget B [--granularity G] --out KEEP.npy
 //   triattn inspect S.safetensors
 //   triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]
+//   triattn calibrate --model M.gguf --text FILE --out S.safetensors [--windows N] [--window-tokens W]
 //
 // Every error prints one line naming the file and the problem and exits with code 2; nothing
 // is written then (outputs are written last, through a temporary file and a rename).
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "llama2c/calibration.hpp"
+#include "llama2c/text_model.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
 #include "triattn/triattn.hpp"
@@ -563,16 +565,26 @@ void progress(const char* what, std::int64_t done, std::int64_t total) {
 }
 
 int calibrate(const options& o) {
-  const fs::path model_path = o.required("--model"), tokenizer_path = o.required("--tokenizer");
+  const fs::path model_path = o.required("--model");
   const fs::path text_path = o.required("--text"), out = o.required("--out");
   const std::int64_t max_windows = o.integer("--windows", 1, 100);
-  const llama2c::model model = llama2c::model::load(model_path);
-  const llama2c::tokenizer tok = llama2c::tokenizer::load(tokenizer_path, model.config().vocab_size);
+  const llama2c::text_model model =
+      llama2c::text_model::load(model_path, o.optional_value("--tokenizer").value_or(""), "triattn calibrate");
+  // The model's context, at most 512 tokens (cli.md's windows; a GGUF model's context is longer).
+  const int context = model.model().config().seq_len;
+  const std::int64_t window = o.integer("--window-tokens", 1, std::min(context, 512));
+  if (window > context)
+    throw triattn::error("--window-tokens " + std::to_string(window) + " is longer than the model's context of " +
+                         std::to_string(context) + " tokens");
   const std::string text = llama2c::read_file(text_path, "triattn calibrate");
-  triattn::query_stats stats =
-      llama2c::calibrate(model, tok, text, static_cast<int>(max_windows), [](std::size_t done, std::size_t total) {
-        progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
-      });
+  const auto windows = llama2c::text_windows([&](std::string_view p) { return model.encode_paragraph(p); }, text,
+                                             static_cast<int>(window), static_cast<int>(max_windows));
+  if (windows.empty())
+    throw triattn::error(text_path.string() + ": the text holds no full window of " + std::to_string(window) +
+                         " tokens");
+  triattn::query_stats stats = llama2c::calibrate(model.model(), windows, [](std::size_t done, std::size_t total) {
+    progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
+  });
   stats.info["model"] = model_path.filename().string();
   stats.info["source"] = text_path.filename().string();
   triattn::save_stats(out, stats);
@@ -630,6 +642,8 @@ std::string usage_text() {
          "  triattn select <policy> [inputs] --budget B [--granularity per_layer|per_kv_head|union] --out KEEP.npy\n"
          "  triattn inspect S.safetensors\n"
          "  triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]\n"
+         "  triattn calibrate --model M.gguf --text FILE --out S.safetensors [--windows N] [--window-tokens W]\n"
+         "                    (GGUF: a build with llama.cpp; windows of min(context, 512) tokens by default)\n"
          "\n"
          "policies: " +
          llama2c::policy_names(true) +

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -101,6 +102,54 @@ TEST_CASE("teacher-forced, the runner agrees with llama.cpp on 1,024 tokens", "[
               n, agreement, mean_kl, nll_theirs / pairs, nll_ours / pairs);
   CHECK(agreement >= 0.97);
   CHECK(mean_kl <= 0.02);
+}
+
+TEST_CASE("greedy chat answers: where the runner and llama.cpp first diverge, and the margins there",
+          "[gguf][parity]") {
+  // Teacher-forced along the runner's own greedy answer: llama.cpp's greedy decoding takes
+  // the same tokens up to the first position where its argmax differs, so that position is
+  // where the two greedy answers part.
+  const ggml_bridge::vocab vocab(gguf_path);
+  const std::vector<int> prompt = vocab.tokenize(
+      vocab.chat_prompt("Explain step by step why the sky is blue.",
+                        "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
+      true, true);
+  constexpr int answer_tokens = 192;
+  const llama2c::model& m = smollm2();
+  llama2c::session s(m, static_cast<std::int64_t>(prompt.size()) + answer_tokens);
+  std::vector<int> sequence = prompt;
+  std::vector<std::vector<float>> ours;  // logits predicting each answer token
+  std::span<const float> logits;
+  for (const int t : prompt) logits = s.forward(t);
+  for (int i = 0; i < answer_tokens; ++i) {
+    ours.emplace_back(logits.begin(), logits.end());
+    const int next = llama2c::argmax(logits);
+    if (vocab.is_eog(next)) break;
+    sequence.push_back(next);
+    logits = s.forward(next);
+  }
+  const auto V = static_cast<std::size_t>(m.config().vocab_size);
+  const std::vector<float> theirs = ggml_bridge::reference_logits(gguf_path, sequence, 2);
+  const auto margin = [](std::span<const float> z) {
+    std::vector<float> top(z.begin(), z.end());
+    std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<>());
+    return top[0] - top[1];
+  };
+  std::size_t diverge = ours.size();
+  for (std::size_t i = 0; i < ours.size(); ++i) {
+    const std::span<const float> a(theirs.data() + (prompt.size() - 1 + i) * V, V);
+    if (llama2c::argmax(a) != llama2c::argmax(ours[i])) {
+      diverge = i;
+      std::printf("greedy answers diverge at answer token %zu of %zu: runner %d (%s, margin %.4f), llama.cpp %d "
+                  "(%s, margin %.4f)\n",
+                  i, ours.size(), llama2c::argmax(ours[i]), vocab.piece(llama2c::argmax(ours[i])).c_str(),
+                  margin(ours[i]), llama2c::argmax(a), vocab.piece(llama2c::argmax(a)).c_str(), margin(a));
+      break;
+    }
+  }
+  if (diverge == ours.size()) std::printf("greedy answers agree on all %zu answer tokens\n", ours.size());
+  // The runner and llama.cpp agree on at least the answer's first sentence.
+  CHECK(diverge >= 8);
 }
 
 }  // namespace

@@ -1,0 +1,103 @@
+/// \file llama2c/text_model.hpp
+/// \brief A model with its tokenizer, from either format the examples read: a llama2.c
+/// checkpoint with its tokenizer file, or a GGUF file that holds its own tokenizer (read by
+/// llama.cpp; needs a build with TRIATTN_WITH_LLAMA_CPP=ON, which defines TRIATTN_WITH_GGUF).
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "llama2c/llama2c.hpp"
+#include "triattn/core/error.hpp"
+#if TRIATTN_WITH_GGUF
+#include "gguf/ggml_bridge.hpp"
+#include "gguf/gguf_model.hpp"
+#endif
+
+namespace llama2c {
+
+/// Whether `path` starts with the GGUF magic.
+inline bool is_gguf(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  return in.read(magic, 4) && std::string_view(magic, 4) == "GGUF";
+}
+
+/// A loaded model and its tokenizer. Move-only: the model is held behind a pointer so that
+/// sessions made from `model()` stay valid when the text_model moves.
+class text_model {
+ public:
+  /// Loads a GGUF file (`tokenizer` is ignored) or a llama2.c checkpoint with `tokenizer`.
+  /// Throws `triattn::error` naming `api` and the file.
+  static text_model load(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path,
+                         const char* api = "llama2c::text_model::load") {
+    text_model t;
+    if (is_gguf(model_path)) {
+#if TRIATTN_WITH_GGUF
+      t.model_ = std::make_unique<llama2c::model>(gguf_model::load(model_path));
+      t.vocab_.emplace(model_path);
+#else
+      triattn::detail::fail(api, model_path, ": a GGUF model needs a build with llama.cpp (cmake -DTRIATTN_WITH_LLAMA_CPP=ON)");
+#endif
+    } else {
+      TRIATTN_CHECK(!tokenizer_path.empty(), api, model_path, ": a llama2.c checkpoint needs its tokenizer (--tokenizer)");
+      t.model_ = std::make_unique<llama2c::model>(llama2c::model::load(model_path));
+      t.tok_.emplace(tokenizer::load(tokenizer_path, t.model_->config().vocab_size));
+    }
+    return t;
+  }
+
+  const llama2c::model& model() const { return *model_; }
+  bool gguf() const { return !tok_.has_value(); }
+
+  /// The start token the tokenizer adds (llama2.c: BOS; GGUF: as its metadata says), then the
+  /// tokens of `text`, with no chat template.
+  std::vector<int> encode(std::string_view text) const {
+    if (tok_) return tok_->encode(text, true, false);
+#if TRIATTN_WITH_GGUF
+    return vocab_->tokenize(text, true, false);
+#else
+    return {};
+#endif
+  }
+  /// A paragraph of a calibration text as `text_windows` strings them together: llama2.c's
+  /// BOS + tokens; a GGUF model's start token (if it adds one) + the tokens of the paragraph
+  /// followed by a blank line, so that paragraphs stay apart where no BOS marks them.
+  std::vector<int> encode_paragraph(std::string_view paragraph) const {
+    if (tok_) return tok_->encode(paragraph, true, false);
+    return encode(std::string(paragraph) + "\n\n");
+  }
+  /// The text of `tokens`.
+  std::string decode(std::span<const int> tokens) const {
+    if (tok_) return tok_->decode(tokens);
+#if TRIATTN_WITH_GGUF
+    return vocab_->detokenize(tokens);
+#else
+    return {};
+#endif
+  }
+  /// The llama2.c tokenizer, or nullptr for a GGUF model.
+  const tokenizer* llama2c_tokenizer() const { return tok_ ? &*tok_ : nullptr; }
+#if TRIATTN_WITH_GGUF
+  /// llama.cpp's vocabulary of a GGUF model, or nullptr.
+  const ggml_bridge::vocab* gguf_vocab() const { return vocab_ ? &*vocab_ : nullptr; }
+#endif
+
+ private:
+  text_model() = default;
+
+  std::unique_ptr<llama2c::model> model_;
+  std::optional<tokenizer> tok_;
+#if TRIATTN_WITH_GGUF
+  std::optional<ggml_bridge::vocab> vocab_;
+#endif
+};
+
+}  // namespace llama2c
