@@ -9,7 +9,8 @@
 #
 # Target:
 #   triattn_llama_cpp      INTERFACE: links llama and ggml, with their include folders (as
-#                          system folders, so that triattn's -Werror does not apply to them).
+#                          system folders, so that triattn's -Werror does not apply to them),
+#                          and defines TRIATTN_WITH_GGUF=1.
 # The model path is left to the consumers (e.g. a compile definition of their own).
 
 set(TRIATTN_LLAMA_CPP_DIR "" CACHE PATH
@@ -98,5 +99,7 @@ _triattn_add_llama_cpp()
 
 add_library(triattn_llama_cpp INTERFACE)
 target_link_libraries(triattn_llama_cpp INTERFACE llama ggml)
+# Tells examples/llama2c/text_model.hpp that GGUF models can be read.
+target_compile_definitions(triattn_llama_cpp INTERFACE TRIATTN_WITH_GGUF=1)
 target_include_directories(triattn_llama_cpp SYSTEM INTERFACE
   "${TRIATTN_LLAMA_CPP_DIR}/include" "${TRIATTN_LLAMA_CPP_DIR}/ggml/include")

@@ -53,7 +53,7 @@ struct usage_error {
 const std::set<std::string, std::less<>> value_options = {
     "--stats", "--keys", "--values", "--queries", "--attn", "--positions", "--round-start", "--budget", "--out",
     "--window", "--protect-first", "--offset-max", "--aggregation", "--granularity", "--gqa", "--model",
-    "--tokenizer", "--text", "--windows", "--sinks"};
+    "--tokenizer", "--text", "--windows", "--window-tokens", "--sinks"};
 const std::set<std::string, std::less<>> switch_options = {"--pre-rope", "--disable-trig", "--disable-norm",
                                                            "--no-normalize", "--help"};
 

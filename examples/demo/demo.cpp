@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "llama2c/calibration.hpp"
+#include "demo/common.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
 #include "triattn/triattn.hpp"
@@ -118,22 +119,11 @@ options parse(int argc, char** argv) {
   o.model = default_model_file("stories260K.bin");
   o.tokenizer = default_model_file("tok512.bin");
   for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
+    if (const std::string_view a = argv[i]; a == "--help" || a == "-h") {
       print_help();
       std::exit(0);
     }
-    // --name value or --name=value
-    std::string_view value;
-    if (const std::size_t eq = arg.find('='); eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (arg.starts_with("--") && i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      usage_error(arg.starts_with("--") ? "option " + std::string(arg) + " needs a value"
-                                        : "unexpected argument \"" + std::string(arg) + "\"");
-    }
+    const auto [arg, value] = demo::next_option(argc, argv, i, usage_error);
     if (arg == "--policy") {
       o.policies = split_policies(value);
     } else if (arg == "--budget") {
@@ -230,26 +220,6 @@ double saved_percent(const run_result& r) {
   return 100.0 * (1.0 - static_cast<double>(r.peak_bytes) / static_cast<double>(r.full_bytes));
 }
 
-// The story, word-wrapped and indented.
-void print_story(const std::string& text) {
-  constexpr std::size_t width = 92;
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    std::string_view line = rest.substr(0, std::min(rest.find('\n'), rest.size()));
-    rest.remove_prefix(std::min(line.size() + 1, rest.size()));
-    do {
-      std::size_t cut = line.size();
-      if (cut > width) {
-        const std::size_t space = line.rfind(' ', width);
-        cut = space == std::string_view::npos || space == 0 ? width : space;
-      }
-      std::printf("    %.*s\n", static_cast<int>(cut), line.data());
-      line.remove_prefix(cut);
-      if (line.starts_with(' ')) line.remove_prefix(1);
-    } while (!line.empty());
-  }
-}
-
 // TriAttention's statistics: from --stats, or calibrated now, on --calibration-text or on
 // windows the model samples itself (not the greedy story it then writes).
 triattn::query_stats load_or_calibrate(const llama2c::model& m, const llama2c::tokenizer& tok, const options& o) {
@@ -306,7 +276,7 @@ int main(int argc, char** argv) {
     for (const std::string& name : o.policies) {
       const run_result& r = results.emplace_back(run(m, tok, name, o, inputs));
       std::printf("\n== %s: %s ==\n", name.c_str(), std::string(llama2c::find_policy(name)->summary).c_str());
-      print_story(r.text);
+      demo::print_wrapped(r.text);
       std::printf("  %d tokens | peak KV %.1f KiB vs %.1f KiB full (%.1f%% saved) | %d rounds | mean KL %.5f | %.1f ms\n",
                   r.tokens, kib(r.peak_bytes), kib(r.full_bytes), saved_percent(r), r.rounds, r.mean_kl,
                   1e3 * r.seconds);

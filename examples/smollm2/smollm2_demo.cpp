@@ -23,6 +23,7 @@
 
 #include "gguf/ggml_bridge.hpp"
 #include "gguf/gguf_model.hpp"
+#include "demo/common.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
 #include "triattn/calibration/stats_file.hpp"
@@ -85,20 +86,11 @@ int parse_int(std::string_view option, std::string_view text, int min) {
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
+    if (const std::string_view a = argv[i]; a == "--help" || a == "-h") {
       print_help();
       std::exit(0);
     }
-    std::string_view value;
-    if (const std::size_t eq = arg.find('='); eq != std::string_view::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else if (arg.starts_with("--") && i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      usage_error("option " + std::string(arg) + " needs a value");
-    }
+    const auto [arg, value] = demo::next_option(argc, argv, i, usage_error);
     if (arg == "--model") {
       o.model = value;
     } else if (arg == "--question") {
@@ -171,25 +163,6 @@ std::size_t matching_prefix(const std::vector<int>& a, const std::vector<int>& b
 }
 
 double kib(std::int64_t bytes) { return static_cast<double>(bytes) / 1024.0; }
-
-void print_wrapped(const std::string& text) {
-  constexpr std::size_t width = 92;
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    std::string_view line = rest.substr(0, std::min(rest.find('\n'), rest.size()));
-    rest.remove_prefix(std::min(line.size() + 1, rest.size()));
-    do {
-      std::size_t cut = line.size();
-      if (cut > width) {
-        const std::size_t space = line.rfind(' ', width);
-        cut = space == std::string_view::npos || space == 0 ? width : space;
-      }
-      std::printf("    %.*s\n", static_cast<int>(cut), line.data());
-      line.remove_prefix(cut);
-      if (line.starts_with(' ')) line.remove_prefix(1);
-    } while (!line.empty());
-  }
-}
 
 int run(const options& o) {
   if (o.model.empty() || !fs::is_regular_file(o.model))
@@ -273,7 +246,7 @@ int run(const options& o) {
 
   const answer& full = answers.front();
   std::printf("\n== full cache (%zu tokens) ==\n", full.tokens.size());
-  print_wrapped(vocab.detokenize(full.tokens));
+  demo::print_wrapped(vocab.detokenize(full.tokens));
   for (std::size_t i = 1; i < answers.size(); ++i) {
     const answer& a = answers[i];
     const std::size_t same = matching_prefix(a.tokens, full.tokens);
@@ -282,7 +255,7 @@ int run(const options& o) {
                     ? "the same answer as the full cache"
                     : ("the full cache's first " + std::to_string(same) + " tokens, then:").c_str());
     if (same < a.tokens.size() || same < full.tokens.size())
-      print_wrapped(vocab.detokenize(std::span(a.tokens).subspan(same)));
+      demo::print_wrapped(vocab.detokenize(std::span(a.tokens).subspan(same)));
   }
 
   std::printf("\n%-14s %6s %6s %12s %12s %7s %7s %9s %10s\n", "policy", "tokens", "same", "peak KV", "full KV", "saved",
