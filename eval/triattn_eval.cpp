@@ -780,7 +780,7 @@ int run_logits(int argc, char** argv) {
 
   const triattn::io::npy_array t = triattn::io::read_npy(tokens_path);
   TRIATTN_CHECK(t.shape.size() == 1 && t.shape[0] >= 1, api, tokens_path, ": tokens must be a non-empty 1-D array, got ",
-                t.shape.size(), " dimensions");
+                t.shape.size(), " dimensions of ", t.size(), " elements");
   TRIATTN_CHECK(t.kind == triattn::io::element_kind::i32 || t.kind == triattn::io::element_kind::i64, api, tokens_path,
                 ": tokens must be int32 or int64, got ", triattn::io::element_kind_name(t.kind));
   const std::vector<std::int64_t> tokens = t.to_int64();

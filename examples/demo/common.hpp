@@ -4,10 +4,12 @@
 #pragma once
 
 #include <algorithm>
+#include <charconv>
 #include <cstddef>
 #include <cstdio>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 namespace demo {
 
@@ -25,6 +27,18 @@ option next_option(int argc, char** argv, int& i, Fail&& fail) {
   if (!arg.starts_with("--")) fail("unexpected argument \"" + std::string(arg) + "\"");
   if (i + 1 >= argc) fail("option " + std::string(arg) + " needs a value");
   return {arg, argv[++i]};
+}
+
+/// The integer `text` of `option`, at least `min`; calls `fail(message)`, which must not
+/// return, otherwise.
+template <class Int, class Fail>
+Int parse_int(std::string_view option, std::string_view text, Int min, Fail&& fail) {
+  Int v{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || v < min)
+    fail(std::string(option) + " expects an integer >= " + std::to_string(min) + ", got \"" + std::string(text) +
+         "\"");
+  return v;
 }
 
 /// Prints `text` line by line, each wrapped at the last space before column 92 and indented

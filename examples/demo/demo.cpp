@@ -91,16 +91,6 @@ void print_help() {
     std::printf("  %-16s  %.*s\n", std::string(e.name).c_str(), static_cast<int>(e.summary.size()), e.summary.data());
 }
 
-template <class Int>
-Int parse_int(std::string_view option, std::string_view text, Int min) {
-  Int v{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || v < min)
-    usage_error(std::string(option) + " expects an integer >= " + std::to_string(min) + ", got \"" +
-                std::string(text) + "\"");
-  return v;
-}
-
 std::vector<std::string> split_policies(std::string_view list) {
   std::vector<std::string> out;
   while (true) {
@@ -127,11 +117,11 @@ options parse(int argc, char** argv) {
     if (arg == "--policy") {
       o.policies = split_policies(value);
     } else if (arg == "--budget") {
-      o.budget = parse_int<std::int64_t>(arg, value, 1);
+      o.budget = demo::parse_int<std::int64_t>(arg, value, 1, usage_error);
     } else if (arg == "--slack") {
-      o.slack = parse_int<std::int64_t>(arg, value, 0);
+      o.slack = demo::parse_int<std::int64_t>(arg, value, 0, usage_error);
     } else if (arg == "--steps") {
-      o.steps = parse_int<int>(arg, value, 1);
+      o.steps = demo::parse_int<int>(arg, value, 1, usage_error);
     } else if (arg == "--model") {
       o.model = value;
     } else if (arg == "--tokenizer") {
@@ -141,9 +131,9 @@ options parse(int argc, char** argv) {
     } else if (arg == "--calibration-text") {
       o.calibration_text = value;
     } else if (arg == "--calibration-windows") {
-      o.calibration_windows = parse_int<int>(arg, value, 1);
+      o.calibration_windows = demo::parse_int<int>(arg, value, 1, usage_error);
     } else if (arg == "--calibration-seed") {
-      o.calibration_seed = parse_int<std::uint64_t>(arg, value, 0);
+      o.calibration_seed = demo::parse_int<std::uint64_t>(arg, value, 0, usage_error);
     } else {
       usage_error("unknown option " + std::string(arg));
     }

@@ -4,10 +4,12 @@
 /// every tensor dequantised to f32 once by ggml. The forward pass stays the runner's.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -40,6 +42,13 @@ inline std::string tensor_name(llama2c::tensor t, int layer, bool shared_classif
   return "";
 }
 
+/// "[a, b]" for messages.
+inline std::string shape_text(const std::vector<std::int64_t>& ne) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < ne.size(); ++i) out += (i > 0 ? ", " : "") + std::to_string(ne[i]);
+  return out + "]";
+}
+
 /// The runner's config from the metadata of `f` (architecture `llama`).
 inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
   const char* api = "gguf_model::read_config";
@@ -65,6 +74,14 @@ inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
                 c.n_heads, " heads");
   c.head_dim = c.dim / c.n_heads;
   c.kv_dim = c.head_dim * c.n_kv_heads;
+  TRIATTN_CHECK(c.head_dim % 2 == 0, api, f.path(), ": head_dim ", c.head_dim, " must be even for RoPE");
+  for (const char* k : {"attention.key_length", "attention.value_length"})
+    TRIATTN_CHECK(!f.has(key(k)) || f.get_int(key(k)) == c.head_dim, api, f.path(), ": ", k, " differs from head_dim ",
+                  c.head_dim, " (embedding_length / head_count)");
+  // Llama 3.1+ store their RoPE scaling as per-band factors in this tensor, with no
+  // rope.scaling.type key: running without them would rotate with the wrong frequencies.
+  TRIATTN_CHECK(!f.has_tensor("rope_freqs.weight"), api, f.path(),
+                ": per-band RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not supported");
   const int rotary = f.has(key("rope.dimension_count")) ? as_int(key("rope.dimension_count")) : c.head_dim;
   TRIATTN_CHECK(rotary == c.head_dim, api, f.path(), ": rope.dimension_count ", rotary, " differs from head_dim ",
                 c.head_dim, " (partial rotary is not supported)");
@@ -74,7 +91,12 @@ inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
   // (2j, 2j+1); the converter permuted Q and K so that this is right for HF checkpoints too.
   c.rope.style = triattn::rope_style::interleaved;
   c.rope.theta = f.has(key("rope.freq_base")) ? f.get_float(key("rope.freq_base")) : 10000.0;
-  c.rms_eps = static_cast<float>(f.get_float(key("attention.layer_norm_rms_epsilon")));
+  TRIATTN_CHECK(std::isfinite(c.rope.theta) && c.rope.theta > 1.0, api, f.path(), ": rope.freq_base ", c.rope.theta,
+                " must be finite and > 1");
+  const double eps = f.get_float(key("attention.layer_norm_rms_epsilon"));
+  TRIATTN_CHECK(std::isfinite(eps) && eps > 0.0 && eps < 1.0, api, f.path(), ": layer_norm_rms_epsilon ", eps,
+                " must be in (0, 1)");
+  c.rms_eps = static_cast<float>(eps);
   const ggml_bridge::tensor_desc embd = f.tensor_info("token_embd.weight");
   TRIATTN_CHECK(embd.ne.size() == 2 && embd.ne[0] == c.dim && embd.ne[1] >= 1 && embd.ne[1] <= (1 << 30), api, f.path(),
                 ": token_embd.weight is not [vocab, ", c.dim, "]");
@@ -83,26 +105,62 @@ inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
   return c;
 }
 
-/// Loads `path`. Every tensor's shape is checked against the config before it is read.
-/// Throws `triattn::error` naming the file and the tensor or key.
+/// The GGUF sizes (`ne`, fastest first) runner tensor `t` must have: {in, out} for a matrix
+/// [out][in], {n} for a vector.
+inline std::vector<std::int64_t> expected_ne(llama2c::tensor t, const llama2c::config& c) {
+  using llama2c::tensor;
+  switch (t) {
+    case tensor::token_embedding:
+    case tensor::wcls: return {c.dim, c.vocab_size};
+    case tensor::rms_att:
+    case tensor::rms_ffn:
+    case tensor::rms_final: return {c.dim};
+    case tensor::wq:
+    case tensor::wo: return {c.dim, c.dim};
+    case tensor::wk:
+    case tensor::wv: return {c.dim, c.kv_dim};
+    case tensor::w1:
+    case tensor::w3: return {c.dim, c.hidden_dim};
+    case tensor::w2: return {c.hidden_dim, c.dim};
+    case tensor::freq_cis_real:
+    case tensor::freq_cis_imag: return {};
+  }
+  return {};
+}
+
+/// Loads `path`. Every tensor's sizes are checked against the config, and its data against
+/// the file's length, before anything is allocated or read. Throws `triattn::error` naming
+/// the file and the tensor or key.
 inline llama2c::model load(const std::filesystem::path& path) {
   const char* api = "gguf_model::load";
   const ggml_bridge::gguf_file f(path);
   const llama2c::config c = read_config(f);
   const llama2c::tensor_layout layout(c, false);
-  std::vector<float> data;
-  data.reserve(static_cast<std::size_t>(layout.floats()));
+  std::error_code ec;
+  const std::uintmax_t file_bytes = std::filesystem::file_size(path, ec);
+  TRIATTN_CHECK(!ec, api, path, ": cannot stat the file: ", ec.message());
+  std::vector<std::string> names;  // in the runner's packing order
   for (std::size_t i = 0; i < llama2c::tensor_count; ++i) {
     const auto t = static_cast<llama2c::tensor>(i);
     for (int l = 0; l < static_cast<int>(layout.slices[i]); ++l) {
-      const std::string name = tensor_name(t, l, c.shared_classifier);
+      std::string name = tensor_name(t, l, c.shared_classifier);
       if (name.empty()) continue;
       const ggml_bridge::tensor_desc info = f.tensor_info(name);
-      TRIATTN_CHECK(static_cast<double>(info.elements()) == layout.per_slice[i], api, path, ": tensor ", name, " holds ",
-                    info.elements(), " elements, the config needs ", static_cast<std::int64_t>(layout.per_slice[i]));
-      const std::vector<float> w = f.dequantize(name);
-      data.insert(data.end(), w.begin(), w.end());
+      const std::vector<std::int64_t> want = expected_ne(t, c);
+      TRIATTN_CHECK(info.ne == want, api, path, ": tensor ", name, " has sizes ", shape_text(info.ne),
+                    ", the config needs ", shape_text(want));
+      TRIATTN_CHECK(info.offset <= file_bytes && info.bytes <= file_bytes - info.offset, api, path, ": tensor ", name,
+                    " needs bytes [", info.offset, ", ", info.offset + info.bytes, ") of a ", file_bytes,
+                    "-byte file: truncated");
+      names.push_back(std::move(name));
     }
+  }
+  // Every size is now bounded by a tensor that the file holds.
+  std::vector<float> data;
+  data.reserve(static_cast<std::size_t>(layout.floats()));
+  for (const std::string& name : names) {
+    const std::vector<float> w = f.dequantize(name);
+    data.insert(data.end(), w.begin(), w.end());
   }
   return llama2c::model::from_tensors(c, std::move(data));
 }

@@ -45,14 +45,15 @@ class query_collector final : public observer {
 
 /// One draw from softmax(logits / temperature), by inverse CDF of one uniform in [0, 1) made
 /// from the top 53 bits of one `rng()` call. Fully specified (no std distribution, whose
-/// output is implementation-defined), so a seed gives the same tokens on every platform
-/// whose logits agree. `temperature` must be finite and > 0.
+/// output is implementation-defined), so a seed gives the same tokens wherever the logits
+/// and std::exp agree. `temperature` must be finite and > 0.
 inline int sample_token(std::span<const float> logits, double temperature, std::mt19937_64& rng) {
   TRIATTN_CHECK(!logits.empty(), "llama2c::sample_token", "no logits");
   TRIATTN_CHECK(temperature > 0.0 && std::isfinite(temperature), "llama2c::sample_token", "temperature ", temperature,
                 " must be finite and > 0");
   const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
   const double max = *std::max_element(logits.begin(), logits.end());
+  TRIATTN_CHECK(std::isfinite(max), "llama2c::sample_token", "the largest logit is ", max, ", not finite");
   double sum = 0.0;
   for (const float z : logits) sum += std::exp((z - max) / temperature);
   // The first token whose cumulative weight passes u * sum; the last one with any weight
@@ -168,6 +169,7 @@ inline triattn::query_stats calibrate_on_samples(const model& m, int windows, st
                                                  double temperature = 1.0,
                                                  const calibration_progress& progress = {}, int length = 0) {
   TRIATTN_CHECK(windows >= 1, "llama2c::calibrate_on_samples", "windows ", windows, " must be >= 1");
+  TRIATTN_CHECK(length >= 0, "llama2c::calibrate_on_samples", "length ", length, " must be >= 0 (0: the context)");
   std::vector<std::mt19937_64> rngs;
   for (int w = 0; w < windows; ++w) rngs.push_back(window_rng(seed, static_cast<std::size_t>(w)));
   return detail::calibrate_windows(

@@ -363,7 +363,8 @@ namespace detail {
 // The products run on AVX2 where the CPU has it, chosen when the program starts (GCC and
 // Clang function multiversioning); the sums stay in run.c's order, so both clones give the
 // same bits. Not AVX-512: it brings FMA, and GCC then fuses the multiply-adds, which rounds
-// differently (the batched-decoding test sees it).
+// differently (the batched-decoding test sees it); for the same reason the programs that use
+// the runner build with -ffp-contract=off (CMake target triattn_runner), whatever -march.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
 #define LLAMA2C_PRODUCT_CLONES __attribute__((target_clones("avx2", "default")))
 #else

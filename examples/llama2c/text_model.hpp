@@ -4,7 +4,6 @@
 /// llama.cpp; needs a build with TRIATTN_WITH_LLAMA_CPP=ON, which defines TRIATTN_WITH_GGUF).
 #pragma once
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -60,12 +59,10 @@ class text_model {
   /// The start token the tokenizer adds (llama2.c: BOS; GGUF: as its metadata says), then the
   /// tokens of `text`, with no chat template.
   std::vector<int> encode(std::string_view text) const {
-    if (tok_) return tok_->encode(text, true, false);
 #if TRIATTN_WITH_GGUF
-    return vocab_->tokenize(text, true, false);
-#else
-    return {};
+    if (vocab_) return vocab_->tokenize(text, true, false);
 #endif
+    return tok_->encode(text, true, false);
   }
   /// A paragraph of a calibration text as `text_windows` strings them together: llama2.c's
   /// BOS + tokens; a GGUF model's start token (if it adds one) + the tokens of the paragraph
@@ -76,12 +73,10 @@ class text_model {
   }
   /// The text of `tokens`.
   std::string decode(std::span<const int> tokens) const {
-    if (tok_) return tok_->decode(tokens);
 #if TRIATTN_WITH_GGUF
-    return vocab_->detokenize(tokens);
-#else
-    return {};
+    if (vocab_) return vocab_->detokenize(tokens);
 #endif
+    return tok_->decode(tokens);
   }
   /// The llama2.c tokenizer, or nullptr for a GGUF model.
   const tokenizer* llama2c_tokenizer() const { return tok_ ? &*tok_ : nullptr; }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <exception>
 #include <filesystem>
 #include <optional>
@@ -74,15 +75,6 @@ void print_help() {
       "  --stats PATH      TriAttention statistics\n");
 }
 
-int parse_int(std::string_view option, std::string_view text, int min) {
-  int v = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc() || end != text.data() + text.size() || v < min)
-    usage_error(std::string(option) + " expects an integer >= " + std::to_string(min) + ", got \"" +
-                std::string(text) + "\"");
-  return v;
-}
-
 options parse(int argc, char** argv) {
   options o;
   for (int i = 1; i < argc; ++i) {
@@ -107,11 +99,11 @@ options parse(int argc, char** argv) {
         at = comma + 1;
       }
     } else if (arg == "--budget") {
-      o.budget = parse_int(arg, value, 1);
+      o.budget = demo::parse_int<int>(arg, value, 1, usage_error);
     } else if (arg == "--slack") {
-      o.slack = parse_int(arg, value, 1);
+      o.slack = demo::parse_int<int>(arg, value, 1, usage_error);
     } else if (arg == "--steps") {
-      o.steps = parse_int(arg, value, 1);
+      o.steps = demo::parse_int<int>(arg, value, 1, usage_error);
     } else if (arg == "--cache") {
       if (value == "f16") o.cache = triattn::dtype::f16;
       else if (value == "bf16") o.cache = triattn::dtype::bf16;
@@ -154,6 +146,9 @@ struct answer {
       shadow.emplace(m, shadow_capacity, type);
     }
   }
+  // The session's observer points at `feed`, which refers to `compressor`: never moved.
+  answer(const answer&) = delete;
+  answer& operator=(const answer&) = delete;
 };
 
 std::size_t matching_prefix(const std::vector<int>& a, const std::vector<int>& b) {
@@ -191,8 +186,7 @@ int run(const options& o) {
               static_cast<long long>(sched.peak_tokens(o.budget)));
   std::printf("user: %s\n", o.question.c_str());
 
-  std::vector<answer> answers;
-  answers.reserve(o.policies.size() + 1);  // sessions hand out pointers: no reallocation
+  std::deque<answer> answers;  // grows without moving its elements
   answers.emplace_back(std::string(llama2c::full_name), m, full_capacity, o.cache, std::nullopt, 0);
   for (const std::string& name : o.policies) {
     const llama2c::policy_inputs in{stats ? &*stats : nullptr, sched};
