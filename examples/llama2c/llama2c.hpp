@@ -31,6 +31,10 @@
 #include <unordered_map>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/dtype.hpp"
@@ -394,6 +398,55 @@ template <int C>
     for (int s = 0; s < C; ++s) out[static_cast<std::ptrdiff_t>(s0 + s) * rows_total + i0 + r] = acc[r][s];
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
+#define LLAMA2C_AVX2_KERNEL 1
+// The AVX2 kernel of `matmul`: a tile of R rows x 16 sequences keeps its 2R accumulators in
+// registers (the portable tile's compiler output spills them); the last tile of a batch masks
+// the lanes past `n`. Each lane still computes acc = acc + w[i][j] * x[j][s], a multiply then
+// an add (AVX2 has no fused form, and the runner builds with -ffp-contract=off), in j order:
+// run.c's bits, as the portable tiles give.
+template <int R>
+__attribute__((target("avx2"))) inline void matmul_avx2_tile(float* out, const float* w, const float* xt, int rows,
+                                                             int cols, int n, int i0, int s0) {
+  const int count = std::min(16, n - s0);
+  alignas(32) std::int32_t mask_bits[16];
+  for (int s = 0; s < 16; ++s) mask_bits[s] = s < count ? -1 : 0;
+  const __m256i m0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits));
+  const __m256i m1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits + 8));
+  __m256 acc[R][2];
+  const float* wr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    wr[r] = w + static_cast<std::ptrdiff_t>(i0 + r) * cols;
+  }
+  const float* x = xt + s0;
+  for (int j = 0; j < cols; ++j, x += n) {
+    const __m256 x0 = _mm256_maskload_ps(x, m0), x1 = _mm256_maskload_ps(x + 8, m1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(wr[r] + j);
+      acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(a, x0));
+      acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(a, x1));
+    }
+  }
+  alignas(32) float lanes[16];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    for (int s = 0; s < count; ++s) out[static_cast<std::ptrdiff_t>(s0 + s) * rows + i0 + r] = lanes[s];
+  }
+}
+
+__attribute__((target("avx2"))) inline void matmul_avx2(float* out, const float* w, const float* xt, int rows, int cols,
+                                                        int n) {
+  constexpr int R = 6;  // 12 accumulators + 2 inputs + 1 broadcast: 15 of the 16 ymm registers
+  int i0 = 0;
+  for (; i0 + R <= rows; i0 += R)
+    for (int s0 = 0; s0 < n; s0 += 16) matmul_avx2_tile<R>(out, w, xt, rows, cols, n, i0, s0);
+  for (; i0 < rows; ++i0)
+    for (int s0 = 0; s0 < n; s0 += 16) matmul_avx2_tile<1>(out, w, xt, rows, cols, n, i0, s0);
+}
+#endif
+
 // out [n, rows] = x [n, cols] · w [rows, cols]ᵀ for n sequences; `xt` [cols, n] is scratch.
 // Each out(s, i) = Σ_j w[i][j] x[s][j] accumulated in float in j order, as run.c's matvec:
 // the same bits for any n, any tile and any vector width.
@@ -402,6 +455,10 @@ LLAMA2C_PRODUCT_CLONES inline void matmul(float* out, const float* w, const floa
   for (int s = 0; s < n; ++s)
     for (int j = 0; j < cols; ++j)
       xt[static_cast<std::ptrdiff_t>(j) * n + s] = x[static_cast<std::ptrdiff_t>(s) * cols + j];
+#if LLAMA2C_AVX2_KERNEL
+  // Below 8 sequences most lanes would idle: the portable tiles are faster there.
+  if (n >= 8 && __builtin_cpu_supports("avx2")) return matmul_avx2(out, w, xt, rows, cols, n);
+#endif
   for (int i0 = 0; i0 < rows; i0 += tile_rows) {
     const int r = std::min(tile_rows, rows - i0);
     int s0 = 0;
