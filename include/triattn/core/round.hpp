@@ -312,12 +312,17 @@ std::vector<compaction_result> compress_batch(PolicyOf&& policy_of, std::span<co
   return results;
 }
 
-/// `compress_batch` with one policy for every sequence (a policy without per-sequence state:
-/// StreamingLLM, TriAttention).
+/// `compress_batch` with one policy for every sequence: a policy without per-sequence state
+/// (StreamingLLM), or one whose `stateless()` says it has none in its configuration
+/// (TriAttention without `score_ema`); otherwise throws naming the API before anything runs.
 template <class P, KVCacheView V>
-  requires(compression_policy<P, V> && !requires(P& p) { p.state(); })
+  requires(compression_policy<P, V> &&
+           (!requires(P& p) { p.state(); } || requires(const P& p) { { p.stateless() } -> std::convertible_to<bool>; }))
 std::vector<compaction_result> compress_batch(P& policy, std::span<const V> views, std::span<const std::int64_t> budgets,
                                               std::span<const round_context> contexts = {}) {
+  if constexpr (requires(const P& p) { p.stateless(); })
+    TRIATTN_CHECK(policy.stateless(), "triattn::compress_batch",
+                  "the policy keeps per-sequence state in this configuration: pass policy_of(i), one object per sequence");
   return compress_batch([&](std::size_t) -> P& { return policy; }, views, budgets, contexts);
 }
 

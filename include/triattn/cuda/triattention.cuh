@@ -27,7 +27,7 @@
 #include "triattn/core/selection.hpp"
 #include "triattn/cuda/common.cuh"
 #include "triattn/cuda/round.cuh"
-#include "triattn/policies/triattention.hpp"
+#include "triattn/policies/triattention_config.hpp"
 #include "triattn/policies/triattention_math.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
@@ -312,6 +312,10 @@ struct triattention_scorer {
                     const device_round& round, float* scores, std::int32_t* status, cudaStream_t stream) const {
     if (const cudaError_t err = detail::check_triattention(api, batch, stats, config); err != cudaSuccess) return err;
     if (config.window < 0) return detail::reject(api, "window ", config.window, " must be >= 0");
+    // The extensions beyond the paper have no device scorer yet: refuse rather than ignore them.
+    if (config.value_protect != 0.0 || config.redundancy != 0.0f || config.score_ema != 0.0f)
+      return detail::reject(api, "value_protect ", config.value_protect, ", redundancy ", config.redundancy,
+                            " and score_ema ", config.score_ema, " must be 0: the CUDA scorer has no extensions");
     const kv_geometry& g = batch.geometry;
     const detail::triattention_round tri = detail::make_round(config, stats, g.keys);
     detail::workspace_carver ws(workspace);

@@ -42,6 +42,7 @@
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/query_window.hpp"
+#include "triattn/policies/redundancy.hpp"
 #include "triattn/policies/window_config.hpp"
 #include "triattn/policies/window_math.hpp"
 
@@ -66,33 +67,6 @@ inline void rkv_mix_prefix(std::span<const float> importance, std::span<const fl
 }
 
 }  // namespace detail
-
-/// Redundancy `out` [n] of keys `keys` [n, D] (see the file comment). Row blocks of K̂K̂ᵀ keep
-/// the memory at O(block x n) instead of O(n²).
-inline void rkv_redundancy(const const_rows& keys, float threshold, std::span<float> out) {
-  const char* api = "triattn::rkv_redundancy";
-  const Eigen::Index n = keys.rows();
-  TRIATTN_CHECK(out.size() == static_cast<std::size_t>(n), api, "output holds ", out.size(), " values, expected n ", n);
-  if (n == 0) return;
-  row_matrix unit = keys;
-  for (Eigen::Index i = 0; i < n; ++i) unit.row(i) /= rkv_unit_divisor(unit.row(i).squaredNorm());
-  Eigen::RowVectorXf column_sum = Eigen::RowVectorXf::Zero(n);
-  constexpr Eigen::Index block = 256;
-  row_matrix s;
-  for (Eigen::Index i0 = 0; i0 < n; i0 += block) {
-    const Eigen::Index b = std::min(block, n - i0);
-    s.noalias() = unit.middleRows(i0, b) * unit.transpose();  // [b, n]
-    for (Eigen::Index r = 0; r < b; ++r) {
-      float* row = s.row(r).data();  // row-major: the n cells of key i0 + r
-      for (Eigen::Index j = 0; j < n; ++j) row[j] = rkv_similarity(row[j], i0 + r, j);
-      const std::int64_t newest = rkv_newest_duplicate(row, n, threshold);
-      for (Eigen::Index j = 0; j < n; ++j) row[j] = rkv_column_term(row[j], j, newest);
-    }
-    column_sum += s.colwise().sum();
-  }
-  for (Eigen::Index j = 0; j < n; ++j) out[static_cast<std::size_t>(j)] = rkv_column_mean(column_sum[j], n);
-  softmax_row(out.data(), n);
-}
 
 /// R-KV importance of one (layer, kv_head) of `n` slots from materialised logits `logits`
 /// [group, rows, n] (Q·Kᵀ/√D of the window queries over all n keys) into `out` [n − c.window].

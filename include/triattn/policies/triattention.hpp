@@ -30,6 +30,12 @@
 /// (`maybe_compress` requires it); a `compress(view, budget)` without it uses 1 + the largest
 /// position any slot holds.
 ///
+/// **Beyond the paper** (`triattention_config::value_protect`, `redundancy`, `score_ema`; off
+/// by default, no attention read): after the row's z-score and GQA reduction, the score is
+/// blended with the slot's previous rounds (score history), lowered by its key redundancy, and
+/// raised for the largest values (value-norm protection). With `score_ema` > 0 the policy keeps
+/// per-slot state (`state()`, moved by compaction): one object per sequence, like H2O.
+///
 /// **Non-finite keys**: scoring throws `triattn::error` naming the API and the (layer, kv_head,
 /// slot); since scoring runs before compaction, a failed round leaves the cache untouched.
 #pragma once
@@ -55,58 +61,11 @@
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/policy.hpp"
+#include "triattn/policies/redundancy.hpp"
+#include "triattn/policies/triattention_config.hpp"
 #include "triattn/policies/triattention_math.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
-
-/// How the per-offset scores of a key are combined.
-enum class offset_aggregation : std::uint8_t {
-  mean,  ///< arithmetic mean (reference default); folds into one coefficient set
-  max,   ///< largest over the offsets; one coefficient set per offset
-};
-
-/// How the q-heads of a GQA group are combined into one score per KV head.
-enum class triattention_gqa_reduction : std::uint8_t { max, mean };
-
-struct triattention_config {
-  std::int64_t offset_max = 65536;  ///< offsets are the powers of two <= this (17 for 65536)
-  offset_aggregation aggregation = offset_aggregation::mean;
-  bool disable_trig = false;  ///< ablation: drop the trig term (score = norm term)
-  bool disable_norm = false;  ///< ablation: drop the norm term (score = trig term)
-  triattention_gqa_reduction gqa_reduction = triattention_gqa_reduction::max;
-  bool normalize = true;    ///< z-score each (layer, q-head) row over the candidate slots
-  std::int64_t window = 0;  ///< the last `window` slots are always kept
-  /// One keep set per KV head shared by every layer, the prompt protected (the round's
-  /// `prompt_length`), a round when the cache reaches budget + 128.
-  round_options round{granularity::per_kv_head, row_reduction::mean, budget_mode::with_prompt, true,
-                      schedule::with_slack(128)};
-
-  /// The paper runs (`scripts/cli.py` defaults): the defaults above. Slack trigger: when the
-  /// cache reaches budget + 128 tokens, cut it to budget (prompt included).
-  static triattention_config paper() { return {}; }
-
-  /// The reference class defaults, as the project's seed article describes them: union
-  /// selection over every (layer, q-head) row, one keep set for all layers and heads, raw
-  /// (not z-scored) rows as in the class (`normalize_scores=False`), the prompt protected
-  /// unless `allow_prefill_compression`, and a round when the decode tokens reach the budget
-  /// and the absolute position is a multiple of 128.
-  ///
-  /// Approximation: the trigger maps to `schedule::aligned_to(128)`, which compares the whole
-  /// cache (prompt included) with the budget, whereas the reference counts only the decode
-  /// (non-prompt) tokens; with a P-token prompt the first rounds may so fire before the decode
-  /// tokens alone reach the budget. Both keep `budget` tokens in total. An engine that wants
-  /// the exact rule calls `sched.should_compress(length - prompt_length, budget, position)`
-  /// itself, then `compress` with the round's `round_context`.
-  static triattention_config seed(bool allow_prefill_compression = false) {
-    triattention_config c;
-    c.normalize = false;
-    c.round.grain = granularity::whole_sequence;
-    c.round.reduction = row_reduction::max;
-    c.round.protect_prompt = !allow_prefill_compression;
-    c.round.sched = schedule::aligned_to(128);
-    return c;
-  }
-};
 
 class triattention : public policy_base<triattention> {
  public:
@@ -140,7 +99,7 @@ class triattention : public policy_base<triattention> {
     const auto want = static_cast<std::size_t>(g.num_layers) * g.num_q_heads * view.capacity();
     TRIATTN_CHECK(out.size() == want, api, "output holds ", out.size(), " scores, expected num_layers ", g.num_layers,
                   " x num_q_heads ", g.num_q_heads, " x capacity ", view.capacity());
-    row_scorer<V> rows(*this, api, view, round_start);
+    row_scorer<V> rows(*this, api, view, round_start, 0);  // raw scores: no budget, no extensions
     for (int l = 0; l < g.num_layers; ++l)
       for (int h = 0; h < g.num_kv_heads; ++h) {
         rows.raw_scores(l, h);
@@ -157,15 +116,68 @@ class triattention : public policy_base<triattention> {
   template <KVCacheView V>
   auto begin_round(const char* api, const V& view, const round_info& info) const {
     check_inputs(api, view);
-    return row_scorer<V>(*this, api, view, info.round_start);
+    if (config.score_ema > 0.0f) start_history(view);
+    return row_scorer<V>(*this, api, view, info.round_start, info.budget);
+  }
+
+  /// Whether one object may serve many sequences (`compress_batch` with one policy): only
+  /// score_ema keeps per-sequence state.
+  bool stateless() const { return config.score_ema <= 0.0f; }
+  /// score_ema's history, moved by `compact` with the slots (empty when β = 0).
+  std::vector<slot_state> state() {
+    if (config.score_ema <= 0.0f || pending_.empty()) return {};
+    return {make_slot_state(pending_.data(), num_kv_heads_, 1, capacity_)};
+  }
+  /// The round's blended scores become the history; slots past each row's new length have none.
+  template <KVCacheView V>
+  void after_compact(const V& view, const keep_plan&) {
+    if (config.score_ema <= 0.0f || pending_.empty()) return;
+    history_.swap(pending_);
+    for (int l = 0; l < view.geometry().num_layers; ++l)
+      for (int h = 0; h < num_kv_heads_; ++h) {
+        float* row = history_row(history_, l, h);
+        std::fill(row + view.length(l, h), row + capacity_, std::numeric_limits<float>::quiet_NaN());
+      }
   }
 
  private:
   query_stats stats_;
+  // score_ema: the last committed decision score per slot [layers, kv_heads, capacity] (NaN:
+  // none) and the round in progress. Mutable: planning (const) writes only `pending_`, which
+  // becomes the history only once the round's compaction has succeeded.
+  mutable std::vector<float> history_, pending_;
+  mutable std::int64_t capacity_ = 0;
+  mutable int num_kv_heads_ = 0;
+
+  float* history_row(std::vector<float>& h, int l, int kvh) const {
+    return h.data() + (static_cast<std::int64_t>(l) * num_kv_heads_ + kvh) * capacity_;
+  }
+
+  /// Sizes the history for `view` (a view of another shape starts it again) and copies it into
+  /// the round's scores.
+  template <KVCacheView V>
+  void start_history(const V& view) const {
+    const kv_geometry& g = view.geometry();
+    const auto size = static_cast<std::size_t>(g.num_layers) * g.num_kv_heads * view.capacity();
+    if (history_.size() != size || capacity_ != view.capacity() || num_kv_heads_ != g.num_kv_heads) {
+      history_.assign(size, std::numeric_limits<float>::quiet_NaN());
+      capacity_ = view.capacity();
+      num_kv_heads_ = g.num_kv_heads;
+    }
+    pending_ = history_;
+  }
 
   void validate_config(const char* api) const {
     TRIATTN_CHECK(config.offset_max >= 1, api, "offset_max ", config.offset_max, " must be >= 1");
     TRIATTN_CHECK(config.window >= 0, api, "window ", config.window, " must be >= 0");
+    TRIATTN_CHECK(config.value_protect >= 0.0 && config.value_protect <= 1.0, api, "value_protect ",
+                  config.value_protect, " must be in [0, 1]");
+    TRIATTN_CHECK(config.redundancy >= 0.0f && std::isfinite(config.redundancy), api, "redundancy ", config.redundancy,
+                  " must be finite and >= 0");
+    TRIATTN_CHECK(config.redundancy_threshold >= -1.0f && config.redundancy_threshold <= 1.0f, api,
+                  "redundancy_threshold ", config.redundancy_threshold, " must be in [-1, 1]");
+    TRIATTN_CHECK(config.score_ema >= 0.0f && config.score_ema < 1.0f, api, "score_ema ", config.score_ema,
+                  " must be in [0, 1)");
   }
 
   template <KVCacheView V>
@@ -183,8 +195,9 @@ class triattention : public policy_base<triattention> {
    public:
     std::vector<float> raw;  ///< [group, n] raw scores of the last row scored
 
-    row_scorer(const triattention& p, const char* api, const V& view, std::int64_t round_start)
-        : p_(p), api_(api), view_(view), g_(view.geometry()) {
+    row_scorer(const triattention& p, const char* api, const V& view, std::int64_t round_start, std::int64_t budget)
+        : p_(p), api_(api), view_(view), g_(view.geometry()),
+          value_protected_(static_cast<std::int64_t>(std::ceil(p.config.value_protect * static_cast<double>(budget)))) {
       const int F = g_.head_dim / 2;
       // w from the view's RoPE, which rotated the keys; the stats' copy is only checked against it.
       w_.resize(static_cast<std::size_t>(F));
@@ -249,6 +262,9 @@ class triattention : public policy_base<triattention> {
         for (int gi = 0; gi < G; ++gi) normalize_row({raw.data() + gi * n, out.size()}, candidate);
       const bool max = p_.config.gqa_reduction == triattention_gqa_reduction::max;
       for (std::int64_t s = 0; s < n; ++s) out[s] = triattention_group_term(raw.data() + s, G, n, max, 1.0f);
+      if (p_.config.score_ema > 0.0f) blend_history(l, kvh, out);
+      if (p_.config.redundancy > 0.0f) subtract_redundancy(l, kvh, candidate, out);
+      if (value_protected_ > 0) protect_values(l, kvh, candidate, out);
     }
 
    private:
@@ -256,10 +272,51 @@ class triattention : public policy_base<triattention> {
     const char* api_;
     const V& view_;
     const kv_geometry& g_;
+    std::int64_t value_protected_;  ///< candidates per row that value_protect boosts
     int sets_ = 1;
     double scale_ = 1.0;
     std::vector<double> w_, w_re_, w_im_;
-    std::vector<float> c_re_, c_im_, e_, key_, k_re_, k_im_, k_abs_;
+    std::vector<float> c_re_, c_im_, e_, key_, k_re_, k_im_, k_abs_, extra_;
+    std::vector<std::int32_t> order_;
+
+    void blend_history(int l, int kvh, std::span<float> out) {
+      const float beta = p_.config.score_ema;
+      const float* past = p_.history_row(p_.history_, l, kvh);
+      float* next = p_.history_row(p_.pending_, l, kvh);
+      for (std::size_t s = 0; s < out.size(); ++s) {
+        if (!std::isnan(past[s])) out[s] = beta * past[s] + (1.0f - beta) * out[s];
+        next[s] = out[s];
+      }
+    }
+
+    void subtract_redundancy(int l, int kvh, std::span<const std::uint8_t> candidate, std::span<float> out) {
+      const auto n = static_cast<Eigen::Index>(out.size());
+      row_matrix keys(n, g_.head_dim);  // [n, head_dim]
+      for (Eigen::Index s = 0; s < n; ++s) load_key(view_, l, kvh, s, keys.row(s).data());
+      extra_.resize(out.size());
+      rkv_redundancy(keys, p_.config.redundancy_threshold, extra_);
+      normalize_row(extra_, candidate);
+      for (std::size_t s = 0; s < out.size(); ++s) out[s] -= p_.config.redundancy * extra_[s];
+    }
+
+    void protect_values(int l, int kvh, std::span<const std::uint8_t> candidate, std::span<float> out) {
+      extra_.resize(out.size());  // value L2 norms
+      order_.clear();
+      key_.resize(static_cast<std::size_t>(g_.head_dim));
+      for (std::size_t s = 0; s < out.size(); ++s) {
+        if (!candidate[s]) continue;
+        load_value(view_, l, kvh, static_cast<std::int64_t>(s), key_.data());
+        double sq = 0.0;
+        for (const float x : key_) sq += static_cast<double>(x) * x;
+        extra_[s] = static_cast<float>(std::sqrt(sq));
+        order_.push_back(static_cast<std::int32_t>(s));
+      }
+      const auto m = static_cast<std::ptrdiff_t>(std::min<std::int64_t>(value_protected_, std::ssize(order_)));
+      std::partial_sort(order_.begin(), order_.begin() + m, order_.end(), [&](std::int32_t a, std::int32_t b) {
+        return extra_[a] > extra_[b] || (extra_[a] == extra_[b] && a < b);
+      });
+      for (std::ptrdiff_t i = 0; i < m; ++i) out[order_[i]] += triattention_value_bonus;
+    }
 
     /// z-scores `row` over its candidate slots: population std, floored at 1e-6 (the HF path).
     /// The row statistics accumulate in double: n reaches 10^5 and the mean can dwarf the spread.
