@@ -6,6 +6,7 @@
 //   triattn inspect S.safetensors
 //   triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]
 //   triattn calibrate --model M.gguf --text FILE --out S.safetensors [--windows N] [--window-tokens W]
+//   triattn calibrate --model M --prompts FILE --out S.safetensors [--answer-tokens N] [--temperature T] [--seed S]
 //
 // Every error prints one line naming the file and the problem and exits with code 2; nothing
 // is written then (outputs are written last, through a temporary file and a rename).
@@ -22,6 +23,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <string>
@@ -53,7 +55,8 @@ struct usage_error {
 const std::set<std::string, std::less<>> value_options = {
     "--stats", "--keys", "--values", "--queries", "--attn", "--positions", "--round-start", "--budget", "--out",
     "--window", "--protect-first", "--offset-max", "--aggregation", "--granularity", "--gqa", "--model",
-    "--tokenizer", "--text", "--windows", "--window-tokens", "--sinks"};
+    "--tokenizer", "--text", "--windows", "--window-tokens", "--sinks", "--prompts", "--answer-tokens",
+    "--temperature", "--seed"};
 const std::set<std::string, std::less<>> switch_options = {"--pre-rope", "--disable-trig", "--disable-norm",
                                                            "--no-normalize", "--help"};
 
@@ -534,24 +537,53 @@ int inspect(const options& o) {
   std::printf("  inv_freq: [%d], from %.6g down to %.6g\n", bands, s.inv_freq.front(), s.inv_freq.back());
   std::printf("  num_kv_heads %d (GQA group %d)\n", s.num_kv_heads, s.num_q_heads / s.num_kv_heads);
   for (const auto& [key, value] : s.info) std::printf("  %s: %s\n", key.c_str(), value.c_str());
-  // Mean resultant length R_f = |E q_f| / E|q_f|: how concentrated the queries are.
-  std::printf("  mean R_f = |E[q_f]| / E[|q_f|] per layer:\n");
+  // Mean resultant length R_f = |E q_f| / E|q_f|: how concentrated the queries are (1: every
+  // query of the band points the same way; the paper's premise is R > 0.95 for most heads).
+  const auto resultant = [&](int l, int h, int f) {
+    const std::size_t i = s.row(l, h) + static_cast<std::size_t>(f);
+    const double m = s.q_abs_mean[i];
+    return m > 0.0 ? std::hypot(double{s.q_mean_real[i]}, double{s.q_mean_imag[i]}) / m : 0.0;
+  };
+  const auto share = [](std::size_t above, std::size_t n) { return 100.0 * static_cast<double>(above) / static_cast<double>(n); };
+  std::printf("  mean R_f = |E[q_f]| / E[|q_f|] per layer (and the share of its (q-head, band) cells above 0.95):\n");
   double total = 0.0;
+  std::vector<double> all;
   for (int l = 0; l < s.num_layers; ++l) {
     double sum = 0.0;
-    for (int h = 0; h < s.num_q_heads; ++h) {
-      const std::size_t r = s.row(l, h);
+    std::size_t above = 0;
+    for (int h = 0; h < s.num_q_heads; ++h)
       for (int f = 0; f < bands; ++f) {
-        const std::size_t i = r + static_cast<std::size_t>(f);
-        const double m = s.q_abs_mean[i];
-        sum += m > 0.0 ? std::hypot(double{s.q_mean_real[i]}, double{s.q_mean_imag[i]}) / m : 0.0;
+        const double r = resultant(l, h, f);
+        sum += r;
+        above += r > 0.95 ? 1 : 0;
+        all.push_back(r);
       }
-    }
     const double mean = sum / (s.num_q_heads * bands);
     total += mean;
-    std::printf("    layer %3d  %.4f\n", l, mean);
+    std::printf("    layer %3d  %.4f  (%5.1f%% > 0.95)\n", l, mean,
+                share(above, static_cast<std::size_t>(s.num_q_heads) * static_cast<std::size_t>(bands)));
   }
   std::printf("  all layers  %.4f\n", total / s.num_layers);
+  std::printf("  mean R_f per band over every (layer, q-head), band 0 the fastest-turning:\n");
+  for (int f = 0; f < bands; ++f) {
+    double sum = 0.0;
+    std::size_t above = 0;
+    for (int l = 0; l < s.num_layers; ++l)
+      for (int h = 0; h < s.num_q_heads; ++h) {
+        const double r = resultant(l, h, f);
+        sum += r;
+        above += r > 0.95 ? 1 : 0;
+      }
+    const std::size_t n = static_cast<std::size_t>(s.num_layers) * static_cast<std::size_t>(s.num_q_heads);
+    std::printf("    band %3d  %.4f  (%5.1f%% > 0.95)  inv_freq %.4g\n", f, sum / static_cast<double>(n), share(above, n),
+                s.inv_freq[static_cast<std::size_t>(f)]);
+  }
+  std::sort(all.begin(), all.end());
+  const auto quantile = [&](double q) { return all[static_cast<std::size_t>(q * static_cast<double>(all.size() - 1) + 0.5)]; };
+  const auto above = static_cast<std::size_t>(all.end() - std::upper_bound(all.begin(), all.end(), 0.95));
+  std::printf("  all %zu (layer, q-head, band) cells: mean %.4f, quartiles %.4f %.4f %.4f, %.1f%% > 0.95\n", all.size(),
+              std::accumulate(all.begin(), all.end(), 0.0) / static_cast<double>(all.size()), quantile(0.25), quantile(0.5),
+              quantile(0.75), share(above, all.size()));
   return 0;
 }
 
@@ -564,12 +596,56 @@ void progress(const char* what, std::int64_t done, std::int64_t total) {
   std::fflush(stderr);
 }
 
+/// `calibrate --prompts FILE`: on the model's own answers to the prompts of FILE (one a line),
+/// each `--answer-tokens` long at least (default 1024), sampled at `--temperature` (default
+/// 0.7) from `--seed` (default 1), end-of-turn tokens excluded so that every answer runs the
+/// whole length.
+int calibrate_on_answers(const options& o, const llama2c::text_model& model, const fs::path& model_path,
+                         const fs::path& out) {
+  const char* api = "triattn calibrate";
+  const fs::path prompts_path = *o.optional_value("--prompts");
+  std::vector<std::vector<int>> prompts;
+  std::size_t longest = 0;
+  for (const std::string& p : llama2c::read_prompts(prompts_path, api)) {
+    prompts.push_back(model.chat(p));
+    longest = std::max(longest, prompts.back().size());
+  }
+  const std::int64_t answer = o.integer("--answer-tokens", 1, 1024);
+  const std::int64_t length = static_cast<std::int64_t>(longest) + answer;
+  if (length > model.model().config().seq_len)
+    throw triattn::error("--answer-tokens " + std::to_string(answer) + " with a prompt of " + std::to_string(longest) +
+                         " tokens exceeds the model's context of " + std::to_string(model.model().config().seq_len));
+  const std::string temperature_text = o.optional_value("--temperature").value_or("0.7");
+  double temperature = 0.0;
+  const auto [end, ec] = std::from_chars(temperature_text.data(), temperature_text.data() + temperature_text.size(),
+                                         temperature);
+  if (ec != std::errc() || end != temperature_text.data() + temperature_text.size() || !(temperature > 0.0) ||
+      !std::isfinite(temperature))
+    throw usage_error{"--temperature \"" + temperature_text + "\" is not a number > 0"};
+  const auto seed = static_cast<std::uint64_t>(o.integer("--seed", 0, 1));
+  const std::vector<std::uint8_t> allowed = model.non_ending_tokens();
+  triattn::query_stats stats = llama2c::calibrate_on_answers(
+      model.model(), prompts, static_cast<int>(length), seed, temperature, allowed,
+      [](std::size_t done, std::size_t total) {
+        progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
+      });
+  stats.info["model"] = model_path.filename().string();
+  stats.info["source"] = prompts_path.filename().string() + ": the model's answers, " + std::to_string(answer) +
+                         "+ tokens each, temperature " + temperature_text + ", seed " + std::to_string(seed);
+  triattn::save_stats(out, stats);
+  std::fprintf(stderr, "calibrate: %s traces, %s tokens -> %s\n", stats.info["num_traces"].c_str(),
+               stats.info["num_tokens"].c_str(), out.string().c_str());
+  return 0;
+}
+
 int calibrate(const options& o) {
   const fs::path model_path = o.required("--model");
-  const fs::path text_path = o.required("--text"), out = o.required("--out");
-  const std::int64_t max_windows = o.integer("--windows", 1, 100);
+  const fs::path out = o.required("--out");
   const llama2c::text_model model =
       llama2c::text_model::load(model_path, o.optional_value("--tokenizer").value_or(""), "triattn calibrate");
+  if (o.optional_value("--prompts")) return calibrate_on_answers(o, model, model_path, out);
+  const fs::path text_path = o.required("--text");
+  const std::int64_t max_windows = o.integer("--windows", 1, 100);
   // The model's context, at most 512 tokens (cli.md's windows; a GGUF model's context is longer).
   const int context = model.model().config().seq_len;
   const std::int64_t window = o.integer("--window-tokens", 1, std::min(context, 512));
@@ -643,6 +719,8 @@ std::string usage_text() {
          "  triattn inspect S.safetensors\n"
          "  triattn calibrate --model M.bin --tokenizer T.bin --text FILE --out S.safetensors [--windows N]\n"
          "  triattn calibrate --model M.gguf --text FILE --out S.safetensors [--windows N] [--window-tokens W]\n"
+         "  triattn calibrate --model M --prompts FILE --out S.safetensors [--answer-tokens 1024]\n"
+         "                    [--temperature 0.7] [--seed 1]   (on the model's own answers)\n"
          "                    (GGUF: a build with llama.cpp; windows of min(context, 512) tokens by default)\n"
          "\n"
          "policies: " +

@@ -43,25 +43,39 @@ class query_collector final : public observer {
   std::vector<float> layer_q_;  // [q_heads, head_dim]
 };
 
-/// One draw from softmax(logits / temperature), by inverse CDF of one uniform in [0, 1) made
-/// from the top 53 bits of one `rng()` call. Fully specified (no std distribution, whose
-/// output is implementation-defined), so a seed gives the same tokens wherever the logits
-/// and std::exp agree. `temperature` must be finite and > 0.
-inline int sample_token(std::span<const float> logits, double temperature, std::mt19937_64& rng) {
-  TRIATTN_CHECK(!logits.empty(), "llama2c::sample_token", "no logits");
-  TRIATTN_CHECK(temperature > 0.0 && std::isfinite(temperature), "llama2c::sample_token", "temperature ", temperature,
+/// A uniform draw in [0, 1) from the top 53 bits of one `rng()` call.
+inline double uniform_draw(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
+
+/// The token softmax(logits / temperature) gives the uniform draw `u` in [0, 1), by inverse
+/// CDF, over the ids `allowed` marks (empty: every id). Fully specified (no std
+/// distribution, whose output is implementation-defined), so the same logits and `u` give the
+/// same token everywhere std::exp agrees; and two models that see the same `u` at a step draw
+/// the same token exactly when their distributions put it at the same place (what makes a
+/// free-running comparison computable from teacher-forced logits). `temperature` must be
+/// finite and > 0.
+inline int sample_token(std::span<const float> logits, double temperature, double u,
+                        std::span<const std::uint8_t> allowed = {}) {
+  const char* api = "llama2c::sample_token";
+  TRIATTN_CHECK(!logits.empty(), api, "no logits");
+  TRIATTN_CHECK(temperature > 0.0 && std::isfinite(temperature), api, "temperature ", temperature,
                 " must be finite and > 0");
-  const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
-  const double max = *std::max_element(logits.begin(), logits.end());
-  TRIATTN_CHECK(std::isfinite(max), "llama2c::sample_token", "the largest logit is ", max, ", not finite");
+  TRIATTN_CHECK(allowed.empty() || allowed.size() == logits.size(), api, "allowed holds ", allowed.size(),
+                " flags for ", logits.size(), " logits");
+  const auto ok = [&](std::size_t i) { return allowed.empty() || allowed[i] != 0; };
+  double max = -INFINITY;
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    if (ok(i)) max = std::max(max, static_cast<double>(logits[i]));
+  TRIATTN_CHECK(std::isfinite(max), api, "the largest allowed logit is ", max, ", not finite");
   double sum = 0.0;
-  for (const float z : logits) sum += std::exp((z - max) / temperature);
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    if (ok(i)) sum += std::exp((logits[i] - max) / temperature);
   // The first token whose cumulative weight passes u * sum; the last one with any weight
   // when rounding leaves the scan short of it.
   const double target = u * sum;
   double cumulative = 0.0;
   int last = 0;
   for (std::size_t i = 0; i < logits.size(); ++i) {
+    if (!ok(i)) continue;
     const double w = std::exp((logits[i] - max) / temperature);
     if (w <= 0.0) continue;
     cumulative += w;
@@ -69,6 +83,12 @@ inline int sample_token(std::span<const float> logits, double temperature, std::
     if (cumulative > target) return last;
   }
   return last;
+}
+
+/// One draw from softmax(logits / temperature) with the next uniform of `rng`.
+inline int sample_token(std::span<const float> logits, double temperature, std::mt19937_64& rng,
+                        std::span<const std::uint8_t> allowed = {}) {
+  return sample_token(logits, temperature, uniform_draw(rng), allowed);
 }
 
 /// The generator of sampled window `w` for `seed`: every window has its own stream, so
@@ -176,6 +196,32 @@ inline triattn::query_stats calibrate_on_samples(const model& m, int windows, st
       m, static_cast<std::size_t>(windows), length > 0 ? length : m.config().seq_len,
       [&](std::size_t w, int t, std::span<const float> logits) {
         return t == 0 ? bos_id : sample_token(logits, temperature, rngs[w]);
+      },
+      progress);
+}
+
+/// Calibrates on the model's own answers, as the paper calibrates on its models' reasoning
+/// traces: window w is `prompts[w]` followed by tokens the model samples (at `temperature`,
+/// among the ids `allowed` marks; empty: all) until the window holds `length` tokens, so every
+/// answer has at least `length` minus the longest prompt tokens. Window w draws from
+/// window_rng(seed, w). `progress(done, total)` is called after each window.
+inline triattn::query_stats calibrate_on_answers(const model& m, const std::vector<std::vector<int>>& prompts,
+                                                 int length, std::uint64_t seed, double temperature,
+                                                 std::span<const std::uint8_t> allowed = {},
+                                                 const calibration_progress& progress = {}) {
+  const char* api = "llama2c::calibrate_on_answers";
+  TRIATTN_CHECK(!prompts.empty(), api, "no prompts");
+  for (std::size_t w = 0; w < prompts.size(); ++w)
+    TRIATTN_CHECK(!prompts[w].empty() && prompts[w].size() < static_cast<std::size_t>(length), api, "prompt ", w,
+                  " has ", prompts[w].size(), " tokens; it must have 1 to length - 1 = ", length - 1);
+  std::vector<std::mt19937_64> rngs;
+  for (std::size_t w = 0; w < prompts.size(); ++w) rngs.push_back(window_rng(seed, w));
+  return detail::calibrate_windows(
+      m, prompts.size(), length,
+      [&](std::size_t w, int t, std::span<const float> logits) {
+        const auto& p = prompts[w];
+        return static_cast<std::size_t>(t) < p.size() ? p[static_cast<std::size_t>(t)]
+                                                      : sample_token(logits, temperature, rngs[w], allowed);
       },
       progress);
 }

@@ -4,10 +4,12 @@
 /// llama.cpp; needs a build with TRIATTN_WITH_LLAMA_CPP=ON, which defines TRIATTN_WITH_GGUF).
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <span>
 #include <string>
 #include <string_view>
@@ -27,6 +29,20 @@ inline bool is_gguf(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   char magic[4] = {};
   return in.read(magic, 4) && std::string_view(magic, 4) == "GGUF";
+}
+
+/// The lines of the text file at `path` that hold a prompt: blank lines and lines starting
+/// with '#' are skipped. Throws `triattn::error` naming `api` when none is left.
+inline std::vector<std::string> read_prompts(const std::filesystem::path& path, const char* api) {
+  std::vector<std::string> out;
+  std::istringstream in(read_file(path, api));
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos || line.front() == '#') continue;
+    out.push_back(line);
+  }
+  TRIATTN_CHECK(!out.empty(), api, path, ": no prompts");
+  return out;
 }
 
 /// A loaded model and its tokenizer. Move-only: the model is held behind a pointer so that
@@ -71,6 +87,34 @@ class text_model {
     if (tok_) return tok_->encode(paragraph, true, false);
     return encode(std::string(paragraph) + "\n\n");
   }
+  /// A one-turn chat prompt for `user_message`: a GGUF model's chat template with
+  /// `system_message` (the one its template adds when none is given, if empty: see
+  /// `default_system_message`), the assistant's turn opened; a llama2.c model, which has no
+  /// chat, gets the message as a text (`encode`).
+  std::vector<int> chat(std::string_view user_message, std::string_view system_message = default_system_message) const {
+#if TRIATTN_WITH_GGUF
+    if (vocab_) return vocab_->tokenize(vocab_->chat_prompt(user_message, system_message), true, true);
+#endif
+    (void)system_message;
+    return encode(user_message);
+  }
+  /// SmolLM2's chat template puts this system message first when none is given; llama.cpp's
+  /// built-in form of the template does not, so `chat` passes it explicitly.
+  static constexpr std::string_view default_system_message =
+      "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+
+  /// Per token id, 1 unless the id ends a generation (a GGUF model's end-of-turn and
+  /// end-of-text ids), so that a sampler given it writes on (vLLM's `ignore_eos`). A llama2.c
+  /// model ends nothing: where it ends a story (BOS) the next one starts.
+  std::vector<std::uint8_t> non_ending_tokens() const {
+    std::vector<std::uint8_t> ok(static_cast<std::size_t>(model_->config().vocab_size), 1);
+#if TRIATTN_WITH_GGUF
+    if (vocab_)
+      for (int id = 0; id < static_cast<int>(ok.size()); ++id) ok[static_cast<std::size_t>(id)] = vocab_->is_eog(id) ? 0 : 1;
+#endif
+    return ok;
+  }
+
   /// The text of `tokens`.
   std::string decode(std::span<const int> tokens) const {
 #if TRIATTN_WITH_GGUF

@@ -27,6 +27,7 @@
 #include "demo/common.hpp"
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
+#include "llama2c/text_model.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/triattn.hpp"
 
@@ -37,10 +38,6 @@
 namespace {
 
 namespace fs = std::filesystem;
-
-// The GGUF's chat template puts this system message first when none is given; llama.cpp's
-// built-in form of the template does not, so it is passed explicitly.
-constexpr std::string_view system_message = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
 struct options {
   fs::path model = TRIATTN_SMOLLM2_GGUF;
@@ -168,7 +165,7 @@ int run(const options& o) {
   const ggml_bridge::vocab vocab(o.model);
   const llama2c::config& c = m.config();
   const std::vector<int> prompt =
-      vocab.tokenize(vocab.chat_prompt(o.question, system_message), /*add_special=*/true, /*parse_special=*/true);
+      vocab.tokenize(vocab.chat_prompt(o.question, llama2c::text_model::default_system_message), /*add_special=*/true, /*parse_special=*/true);
   std::optional<triattn::query_stats> stats;
   if (!o.stats.empty()) stats = triattn::load_stats(o.stats);
   const triattn::schedule sched = triattn::schedule::with_slack(o.slack);
