@@ -1,6 +1,7 @@
 # KL(full || compressed) against the KV budget, one line per policy, log-scale KL.
 #   gnuplot -e "csv='DIR/quality.csv'; out='DIR/quality.png'" eval/plot_quality.gp
-#   (policies='full random ...' to choose the lines; default: every policy of the CSV)
+#   (policies='full random ...' to choose the lines; default: every policy of the CSV;
+#    model='SmolLM2-135M', kl_column=3 for triattn_eval long's long.csv, whose KL is column 3)
 # `full` has KL = 0, which a log axis cannot show: it is drawn on the floor `kl_floor` and its
 # key says so.
 if (!exists("csv")) csv = 'quality.csv'
@@ -9,6 +10,8 @@ if (!exists("out")) out = 'quality.png'
 # order of `triattn_eval --list-policies`); no list is kept here.
 if (!exists("policies")) policies = system("tail -n +2 '".csv."' | cut -d, -f1 | awk '!seen[$0]++' | tr '\\n' ' '")
 if (!exists("title_note")) title_note = ''
+if (!exists("model")) model = 'stories260K'
+if (!exists("kl_column")) kl_column = 5
 kl_floor = 1e-5
 
 if (strstrt(GPVAL_TERMINALS, "pngcairo") > 0) {
@@ -18,7 +21,7 @@ if (strstrt(GPVAL_TERMINALS, "pngcairo") > 0) {
 }
 set output out
 set datafile separator ","
-set title "KV-cache policies on stories260K: KL(full || compressed) vs budget".title_note noenhanced
+set title "KV-cache policies on ".model.": KL(full || compressed) vs budget".title_note noenhanced
 set xlabel "KV budget B (tokens per layer and KV head; peak = B + D)"
 set ylabel "mean KL(full || compressed), nats (log scale)"
 set logscale y
@@ -37,5 +40,5 @@ do for [i=1:16] {
 }
 keyname(p) = (p eq "full") ? "full (KL = 0, drawn at 1e-5)" : p
 plot for [i=1:words(policies)] csv every ::1 \
-     using 2:(strcol(1) eq word(policies, i) ? ($5 > kl_floor ? $5 : kl_floor) : NaN) \
+     using 2:(strcol(1) eq word(policies, i) ? (column(kl_column) > kl_floor ? column(kl_column) : kl_floor) : NaN) \
      with linespoints linetype ((i - 1) % 16 + 1) title keyname(word(policies, i))

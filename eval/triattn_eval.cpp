@@ -6,6 +6,11 @@
 //   triattn_eval --list-policies      (the rows it knows, one name a line: for scripts and plots)
 //   triattn_eval tokenize --model M --text FILE --out T.npy
 //   triattn_eval logits --model M --tokens T.npy --out L.npy [--policy P --budget B --slack D --stats S]
+//   triattn_eval long --model M.gguf --prompts FILE --policies LIST --out DIR [...]
+//   triattn_eval passkey --model M.gguf --policies LIST --out DIR [...]
+//
+// `long` and `passkey` are the long-context regimes of a chat model (long_context.hpp): decode-
+// time compression along the model's own long answers, and retrieval after a compressed prefill.
 //
 // M is a llama2.c checkpoint (with --tokenizer T.bin) or, in a build with llama.cpp, a GGUF
 // file. `tokenize` and `logits` let other engines be compared with the runner token for token.
@@ -44,6 +49,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -56,6 +62,9 @@
 #include "llama2c/llama2c.hpp"
 #include "llama2c/policies.hpp"
 #include "llama2c/text_model.hpp"
+#include "eval_common.hpp"
+#include "eval_policies.hpp"
+#include "long_context.hpp"
 #include "triattn/io/npy.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/triattn.hpp"
@@ -63,107 +72,7 @@
 namespace {
 
 namespace fs = std::filesystem;
-
-struct usage_error {
-  std::string message;
-};
-
-// ------------------------------------------------------------------------------------------
-// Policies of the evaluation: the registry's where it has them, plus the references below.
-
-/// Keeps the last `budget` slots of every (layer, kv_head): the plain recency reference. A plan
-/// policy; `round()` carries the evaluation's schedule.
-class recent_window : public triattn::policy_base<recent_window> {
- public:
-  static constexpr std::string_view name = "window";
-
-  explicit recent_window(triattn::schedule sched) { round_.sched = sched; }
-  const triattn::round_options& round() const { return round_; }
-
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep, const triattn::round_context& = {}) {
-    const triattn::kv_geometry& g = view.geometry();
-    triattn::keep_plan p(g.num_layers, g.num_kv_heads);
-    std::vector<std::int32_t> slots;
-    for (int l = 0; l < g.num_layers; ++l)
-      for (int h = 0; h < g.num_kv_heads; ++h) {
-        const std::int32_t n = view.length(l, h);
-        const auto k = static_cast<std::int32_t>(std::min<std::int64_t>(n, keep));
-        slots.clear();
-        for (std::int32_t s = n - k; s < n; ++s) slots.push_back(s);
-        p.push_row(slots);
-      }
-    return p;
-  }
-
- private:
-  triattn::round_options round_{};
-};
-
-/// A fresh policy for one sequence on the evaluation's schedule; std::nullopt for `full`.
-/// `seed` is per sequence.
-using policy_factory = std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t seed,
-                                                                        const triattn::schedule& sched)>;
-
-struct eval_policy {
-  std::string name;
-  std::string summary;
-  bool needs_stats = false;
-  policy_factory make;
-};
-
-/// A roster policy, as the roster builds it, on the evaluation's schedule.
-eval_policy from_registry(const llama2c::policy_entry& e) {
-  return {std::string(e.name), std::string(e.summary), e.needs_stats,
-          [&e](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
-            return e.create(llama2c::policy_inputs{s, sched});
-          }};
-}
-
-/// A TriAttention variant; its own trigger (the seed preset's) is replaced by the common schedule.
-eval_policy tri(std::string name, std::string summary, triattn::triattention_config c) {
-  return {std::move(name), std::move(summary), true,
-          [c](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
-            triattn::triattention_config with = c;
-            with.round.sched = sched;
-            return std::optional(llama2c::any_policy(triattn::triattention(*s, with)));
-          }};
-}
-
-triattn::triattention_config tri_config(triattn::granularity g, std::int64_t offset_max, std::int64_t window = 0) {
-  triattn::triattention_config c = triattn::triattention_config::paper();
-  c.round.grain = g;
-  c.offset_max = offset_max;
-  c.window = window;
-  return c;
-}
-
-std::vector<eval_policy> all_policies() {
-  using G = triattn::granularity;
-  std::vector<eval_policy> p;
-  const llama2c::policy_entry* full = llama2c::find_policy(llama2c::full_name);
-  p.push_back(from_registry(*full));
-  p.push_back({std::string(llama2c::random_eviction::name), "uniformly random keep sets (the floor)", false,
-               [](const triattn::query_stats*, std::uint64_t seed, const triattn::schedule& sched) {
-                 return std::optional(llama2c::any_policy(llama2c::random_eviction(seed, sched)));
-               }});
-  p.push_back({std::string(recent_window::name), "the last B tokens (plain recency)", false,
-               [](const triattn::query_stats*, std::uint64_t, const triattn::schedule& sched) {
-                 return std::optional(llama2c::any_policy(recent_window(sched)));
-               }});
-  for (const llama2c::policy_entry& e : llama2c::policy_registry)
-    if (e.compresses()) p.push_back(from_registry(e));
-  const std::string tn(triattn::triattention::name);
-  p.push_back(tri(tn + "_o128", "triattention, offsets to 128", tri_config(G::per_kv_head, 128)));
-  p.push_back(tri(tn + "_per_layer", "triattention, one keep set per (layer, KV head)", tri_config(G::per_layer, 65536)));
-  p.push_back(tri(tn + "_per_layer_o512", "triattention per layer, offsets to 512", tri_config(G::per_layer, 512)));
-  p.push_back(tri(tn + "_per_layer_o128", "triattention per layer, offsets to 128", tri_config(G::per_layer, 128)));
-  p.push_back(tri(tn + "_per_layer_o16", "triattention per layer, offsets to 16", tri_config(G::per_layer, 16)));
-  p.push_back(tri(tn + "_per_layer_o128_w8", "triattention per layer, offsets to 128, the last 8 kept",
-                  tri_config(G::per_layer, 128, 8)));
-  p.push_back(tri(tn + "_seed", "triattention's seed preset: one keep set for the sequence (union, max of rows)",
-                  triattn::triattention_config::seed()));
-  return p;
-}
+using namespace triattn_eval;
 
 // ------------------------------------------------------------------------------------------
 // Options
@@ -181,24 +90,6 @@ struct options {
   bool quick = false;
 };
 
-std::vector<std::string> split(std::string_view s) {
-  std::vector<std::string> out;
-  while (!s.empty()) {
-    const auto c = std::min(s.find(','), s.size());
-    if (c > 0) out.emplace_back(s.substr(0, c));
-    s.remove_prefix(std::min(c + 1, s.size()));
-  }
-  return out;
-}
-
-std::int64_t parse_int(const std::string& opt, const std::string& v, std::int64_t lo) {
-  std::int64_t x = 0;
-  const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
-  if (ec != std::errc() || end != v.data() + v.size() || x < lo)
-    throw usage_error{"option " + opt + ": '" + v + "' is not an integer >= " + std::to_string(lo)};
-  return x;
-}
-
 std::string usage_text() {
   std::string text =
       "usage: triattn_eval --model M.bin --tokenizer T.bin --text FILE --stats S.safetensors\n"
@@ -209,6 +100,10 @@ std::string usage_text() {
       "       triattn_eval tokenize --model M [--tokenizer T] --text FILE --out T.npy\n"
       "       triattn_eval logits --model M [--tokenizer T] --tokens T.npy --out L.npy\n"
       "                    [--policy P --budget B [--slack 16] [--stats S]]\n"
+      "       triattn_eval long --model M.gguf --prompts FILE --policies LIST --out DIR [--stats S]\n"
+      "                    [--budgets 128,256,512] [--tokens 2048] [--slack 64] [--temperature 0.7] [--seed 1]\n"
+      "       triattn_eval passkey --model M.gguf --policies LIST --out DIR [--stats S] [--fractions 0.1,0.25,0.5]\n"
+      "                    [--contexts 1024,2048,4096] [--depths 0.1,0.3,0.5,0.7,0.9] [--trials 1] [--chunk 128]\n"
       "M: a llama2.c checkpoint (with --tokenizer) or a GGUF file (tokenizer inside).\n"
       "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n"
       "policies (default: all of them):\n";
@@ -270,19 +165,11 @@ options parse(int argc, char** argv) {
   for (const auto& [name, path] : {std::pair<const char*, const fs::path*>{"--model", &o.model},
                                    {"--tokenizer", &o.tokenizer}, {"--text", &o.text}, {"--out", &o.out}})
     if (path->empty()) throw usage_error{std::string("missing ") + name};
-  const std::vector<eval_policy> known = all_policies();
   if (policies.empty())
-    for (const eval_policy& p : known) o.policies.push_back(p.name);
+    for (const eval_policy& p : all_policies()) o.policies.push_back(p.name);
   else
     o.policies = split(policies);
-  for (const std::string& name : o.policies) {
-    const bool found = std::any_of(known.begin(), known.end(), [&](const eval_policy& p) { return p.name == name; });
-    if (!found) {
-      std::string names;
-      for (const eval_policy& p : known) names += (names.empty() ? "" : ", ") + p.name;
-      throw usage_error{"unknown policy " + name + " (known: " + names + ")"};
-    }
-  }
+  for (const std::string& name : o.policies) find_eval_policy(name);  // an unknown name fails here
   for (const std::string& b : split(budgets)) o.budgets.push_back(parse_int("--budgets", b, 1));
   if (o.budgets.empty()) throw usage_error{"--budgets is empty"};
   if (o.policies.empty()) throw usage_error{"--policies is empty"};
@@ -328,13 +215,6 @@ std::vector<std::vector<int>> paragraph_prompts(const llama2c::tokenizer& tok, s
 
 // ------------------------------------------------------------------------------------------
 // The evaluation
-
-double log_sum_exp(std::span<const float> z) {
-  const double max = *std::max_element(z.begin(), z.end());
-  double sum = 0.0;
-  for (const float v : z) sum += std::exp(v - max);
-  return max + std::log(sum);
-}
 
 /// Sums over the scored positions of one sequence.
 struct window_sums {
@@ -405,38 +285,17 @@ class evaluator {
   }
 
   void run(int threads) {
-    start_ = std::chrono::steady_clock::now();
-    const std::size_t tasks = windows_.size() + prompts_.size();
-    std::atomic<std::size_t> next{0};
-    std::mutex error_mutex;
-    std::string error;
-    const auto worker = [&] {
-      for (;;) {
-        const std::size_t t = next.fetch_add(1);
-        if (t >= tasks) return;
-        try {
-          if (t < windows_.size())
-            run_window(t);
-          else
-            run_prompt(t - windows_.size());
-        } catch (const std::exception& e) {
-          const std::lock_guard lock(error_mutex);
-          if (error.empty()) error = e.what();
-          next = tasks;
-        }
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
-    worker();
-    for (auto& th : pool) th.join();
+    bar_ = std::make_unique<progress_bar>("triattn_eval", total_units_);
+    parallel_tasks(windows_.size() + prompts_.size(), threads, [&](std::size_t t) {
+      if (t < windows_.size())
+        run_window(t);
+      else
+        run_prompt(t - windows_.size());
+    });
     std::fputc('\n', stderr);
-    if (!error.empty()) throw std::runtime_error(error);
   }
 
-  double seconds() const {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  }
+  double seconds() const { return bar_->seconds(); }
 
   void write(const fs::path& dir, int threads) const;
 
@@ -453,26 +312,12 @@ class evaluator {
   std::vector<std::int64_t> peak_;      // [job, task]
   std::vector<std::int64_t> full_peak_; // [task]
   std::vector<std::int32_t> prefix_;    // [job, prompt]
-  std::atomic<std::int64_t> done_units_{0};
   std::int64_t total_units_ = 1;
-  std::mutex progress_mutex_;
-  int last_shown_ = -1;
-  std::chrono::steady_clock::time_point start_;
+  std::unique_ptr<progress_bar> bar_;
 
   std::size_t tasks() const { return windows_.size() + prompts_.size(); }
 
-  void progress(std::int64_t units) {
-    const std::int64_t done = done_units_.fetch_add(units) + units;
-    const int permille = static_cast<int>(1000 * done / std::max<std::int64_t>(total_units_, 1));
-    const std::lock_guard lock(progress_mutex_);
-    if (permille <= last_shown_) return;
-    last_shown_ = permille;
-    constexpr int width = 40;
-    const int filled = std::min(width, permille * width / 1000);
-    std::fprintf(stderr, "\rtriattn_eval [%s%s] %5.1f%% %6.1fs", std::string(static_cast<std::size_t>(filled), '#').c_str(),
-                 std::string(static_cast<std::size_t>(width - filled), '.').c_str(), permille / 10.0, seconds());
-    std::fflush(stderr);
-  }
+  void progress(std::int64_t units) { bar_->add(units); }
 
   /// A seed per (job, sequence), so results do not depend on the thread schedule.
   static std::uint64_t seed_of(std::size_t job_index, std::size_t sequence) {
@@ -633,13 +478,6 @@ void summarize(std::span<const window_sums> w, row& r) {
   r.nll_se = se([](const window_sums& s) { return s.nll; });
 }
 
-std::string fmt(const char* f, double x) {
-  if (!std::isfinite(x)) return "nan";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, f, x);
-  return buf;
-}
-
 void evaluator::write(const fs::path& dir, int threads) const {
   const std::size_t W = windows_.size(), P = prompts_.size();
   std::vector<row> rows;
@@ -700,50 +538,13 @@ void evaluator::write(const fs::path& dir, int threads) const {
        << " |\n";
   md << "\nWall time: " << fmt("%.1f", seconds()) << " s on " << threads << " threads.\n";
 
-  fs::create_directories(dir);
-  const auto put = [&](const char* name, const std::string& text) {
-    const fs::path tmp = dir / (std::string(name) + ".tmp");
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      out << text;
-      if (!out.good()) throw std::runtime_error("cannot write " + tmp.string());
-    }
-    fs::rename(tmp, dir / name);
-  };
-  put("quality.csv", csv.str());
-  put("quality.md", md.str());
+  write_file(dir, "quality.csv", csv.str());
+  write_file(dir, "quality.md", md.str());
 }
 
 // ------------------------------------------------------------------------------------------
 // `tokenize` and `logits` (shared/spec/cli.md): the runner token for token, for comparisons
 // with other engines.
-
-/// `--name value` / `--name=value` pairs of a subcommand; an option not in `known` is an error.
-std::map<std::string, std::string> subcommand_options(int argc, char** argv, std::initializer_list<std::string_view> known) {
-  std::map<std::string, std::string> out;
-  for (int i = 2; i < argc; ++i) {
-    std::string arg = argv[i];
-    std::optional<std::string> value;
-    if (const auto eq = arg.find('='); eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg.resize(eq);
-    }
-    if (std::find(known.begin(), known.end(), arg) == known.end())
-      throw usage_error{std::string(argv[1]) + ": unknown option " + arg};
-    if (!value) {
-      if (i + 1 >= argc) throw usage_error{"option " + arg + " needs a value"};
-      value = argv[++i];
-    }
-    out[arg] = *value;
-  }
-  return out;
-}
-
-std::string required(const std::map<std::string, std::string>& o, const std::string& name, const char* command) {
-  const auto it = o.find(name);
-  if (it == o.end() || it->second.empty()) throw usage_error{std::string(command) + ": missing " + name};
-  return it->second;
-}
 
 /// `tokenize --model M [--tokenizer T] --text FILE --out T.npy`: int32 [N], the start token
 /// the tokenizer adds, then the text's tokens.
@@ -769,9 +570,8 @@ int run_logits(int argc, char** argv) {
   const char* api = "triattn_eval logits";
   const fs::path out = required(o, "--out", "logits"), tokens_path = required(o, "--tokens", "logits");
   const std::string policy_name = o.contains("--policy") ? o.at("--policy") : std::string(llama2c::full_name);
-  const std::vector<eval_policy> known = all_policies();
-  const auto p = std::find_if(known.begin(), known.end(), [&](const eval_policy& e) { return e.name == policy_name; });
-  if (p == known.end()) throw usage_error{"logits: unknown policy " + policy_name};
+  const eval_policy policy = find_eval_policy(policy_name);
+  const eval_policy* p = &policy;
   const bool compressing = policy_name != llama2c::full_name;
   const std::int64_t budget = compressing ? parse_int("--budget", required(o, "--budget", "logits"), 1) : 0;
   const std::int64_t slack = o.contains("--slack") ? parse_int("--slack", o.at("--slack"), 1) : 16;
@@ -808,20 +608,19 @@ int run_logits(int argc, char** argv) {
 int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "tokenize") return run_tokenize(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "logits") return run_logits(argc, argv);
+  if (argc > 1 && std::string_view(argv[1]) == "long") return run_long(argc, argv);
+  if (argc > 1 && std::string_view(argv[1]) == "passkey") return run_passkey(argc, argv);
   const options o = parse(argc, argv);
   const llama2c::model m = llama2c::model::load(o.model);
   const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);
   const std::string text = llama2c::read_file(o.text, "triattn_eval");
 
   std::vector<eval_policy> policies;
-  const std::vector<eval_policy> known = all_policies();
   bool need_stats = false;
-  for (const std::string& name : o.policies)
-    for (const eval_policy& p : known)
-      if (p.name == name) {
-        policies.push_back(p);
-        need_stats |= p.needs_stats;
-      }
+  for (const std::string& name : o.policies) {
+    policies.push_back(find_eval_policy(name));
+    need_stats |= policies.back().needs_stats;
+  }
   std::optional<triattn::query_stats> stats;
   if (need_stats) {
     if (o.stats.empty()) throw usage_error{"the TriAttention policies need --stats (triattn calibrate)"};

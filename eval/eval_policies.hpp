@@ -1,0 +1,161 @@
+/// \file eval/eval_policies.hpp
+/// \brief The rows triattn_eval knows: the roster's policies (llama2c::policy_registry), the
+/// references `random` and `window`, and variants of TriAttention, among them the
+/// parametrised rows (`parametric_policy`), the extensions beyond the paper among them.
+#pragma once
+
+#include <charconv>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "eval_common.hpp"
+#include "llama2c/policies.hpp"
+#include "triattn/triattn.hpp"
+
+namespace triattn_eval {
+
+/// Keeps the last `budget` slots of every (layer, kv_head): the plain recency reference. A plan
+/// policy; `round()` carries the evaluation's schedule.
+class recent_window : public triattn::policy_base<recent_window> {
+ public:
+  static constexpr std::string_view name = "window";
+
+  explicit recent_window(triattn::schedule sched) { round_.sched = sched; }
+  const triattn::round_options& round() const { return round_; }
+
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep, const triattn::round_context& = {}) {
+    return llama2c::plan_each_row(view, keep, [](std::int32_t n, std::int32_t k, std::vector<std::int32_t>& slots) {
+      slots.clear();
+      for (std::int32_t s = n - k; s < n; ++s) slots.push_back(s);
+    });
+  }
+
+ private:
+  triattn::round_options round_{};
+};
+
+/// A fresh policy for one sequence on the evaluation's schedule; std::nullopt for `full`.
+/// `seed` is per sequence.
+using policy_factory = std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t seed,
+                                                                        const triattn::schedule& sched)>;
+
+struct eval_policy {
+  std::string name;
+  std::string summary;
+  bool needs_stats = false;
+  policy_factory make;
+};
+
+/// A roster policy, as the roster builds it, on the evaluation's schedule.
+inline eval_policy from_registry(const llama2c::policy_entry& e) {
+  return {std::string(e.name), std::string(e.summary), e.needs_stats,
+          [&e](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
+            return e.create(llama2c::policy_inputs{s, sched});
+          }};
+}
+
+/// A TriAttention variant; its own trigger (the seed preset's) is replaced by the common schedule.
+inline eval_policy tri(std::string name, std::string summary, triattn::triattention_config c) {
+  return {std::move(name), std::move(summary), true,
+          [c](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
+            triattn::triattention_config with = c;
+            with.round.sched = sched;
+            return std::optional(llama2c::any_policy(triattn::triattention(*s, with)));
+          }};
+}
+
+inline triattn::triattention_config tri_config(triattn::granularity g, std::int64_t offset_max, std::int64_t window = 0) {
+  triattn::triattention_config c = triattn::triattention_config::paper();
+  c.round.grain = g;
+  c.offset_max = offset_max;
+  c.window = window;
+  return c;
+}
+
+inline std::vector<eval_policy> all_policies() {
+  using G = triattn::granularity;
+  std::vector<eval_policy> p;
+  const llama2c::policy_entry* full = llama2c::find_policy(llama2c::full_name);
+  p.push_back(from_registry(*full));
+  p.push_back({std::string(llama2c::random_eviction::name), "uniformly random keep sets (the floor)", false,
+               [](const triattn::query_stats*, std::uint64_t seed, const triattn::schedule& sched) {
+                 return std::optional(llama2c::any_policy(llama2c::random_eviction(seed, sched)));
+               }});
+  p.push_back({std::string(recent_window::name), "the last B tokens (plain recency)", false,
+               [](const triattn::query_stats*, std::uint64_t, const triattn::schedule& sched) {
+                 return std::optional(llama2c::any_policy(recent_window(sched)));
+               }});
+  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+    if (e.compresses()) p.push_back(from_registry(e));
+  const std::string tn(triattn::triattention::name);
+  p.push_back(tri(tn + "_o128", "triattention, offsets to 128", tri_config(G::per_kv_head, 128)));
+  p.push_back(tri(tn + "_per_layer", "triattention, one keep set per (layer, KV head)", tri_config(G::per_layer, 65536)));
+  p.push_back(tri(tn + "_per_layer_o512", "triattention per layer, offsets to 512", tri_config(G::per_layer, 512)));
+  p.push_back(tri(tn + "_per_layer_o128", "triattention per layer, offsets to 128", tri_config(G::per_layer, 128)));
+  p.push_back(tri(tn + "_per_layer_o16", "triattention per layer, offsets to 16", tri_config(G::per_layer, 16)));
+  p.push_back(tri(tn + "_per_layer_o128_w8", "triattention per layer, offsets to 128, the last 8 kept",
+                  tri_config(G::per_layer, 128, 8)));
+  p.push_back(tri(tn + "_seed", "triattention's seed preset: one keep set for the sequence (union, max of rows)",
+                  triattn::triattention_config::seed()));
+  return p;
+}
+
+/// Parametrised TriAttention rows, each on the paper defaults but for one value:
+/// `triattention_o<N>` / `triattention_per_layer_o<N>` (offsets to N, one keep set per KV head /
+/// per (layer, KV head)), and the extensions beyond the paper: `triattention_vp<F>`
+/// (value_protect F), `triattention_red<D>` (redundancy D), `triattention_ema<B>` (score_ema
+/// B); e.g. triattention_o4096, triattention_vp0.05. std::nullopt for any other name; a value
+/// out of its range fails when the policy is made.
+inline std::optional<eval_policy> parametric_policy(const std::string& name) {
+  struct kind {
+    std::string_view prefix, what;
+    void (*set)(triattn::triattention_config&, double);
+  };
+  static constexpr kind kinds[] = {
+      {"triattention_per_layer_o", "triattention per layer, offsets to N",
+       [](triattn::triattention_config& c, double x) {
+         c.round.grain = triattn::granularity::per_layer;
+         c.offset_max = static_cast<std::int64_t>(x);
+       }},
+      {"triattention_o", "triattention, offsets to N",
+       [](triattn::triattention_config& c, double x) { c.offset_max = static_cast<std::int64_t>(x); }},
+      {"triattention_vp", "value-norm protection: the F x budget largest values of each row boosted",
+       [](triattn::triattention_config& c, double x) { c.value_protect = x; }},
+      {"triattention_red", "diversity: minus D x the z-scored key redundancy of each row",
+       [](triattn::triattention_config& c, double x) { c.redundancy = static_cast<float>(x); }},
+      {"triattention_ema", "score history: B x the previous rounds' score + (1 - B) x this round's",
+       [](triattn::triattention_config& c, double x) { c.score_ema = static_cast<float>(x); }},
+  };
+  for (const kind& k : kinds) {
+    if (!name.starts_with(k.prefix)) continue;
+    const std::string_view v = std::string_view(name).substr(k.prefix.size());
+    double x = 0.0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (v.empty() || ec != std::errc() || end != v.data() + v.size()) return std::nullopt;
+    triattn::triattention_config c = triattn::triattention_config::paper();
+    k.set(c, x);
+    return tri(name, std::string(k.what) + ", " + std::string(v), c);
+  }
+  return std::nullopt;
+}
+
+/// The row called `name`: one of `all_policies()` or an extension (`extension_policy`); throws
+/// usage_error listing the known names otherwise.
+inline eval_policy find_eval_policy(const std::string& name) {
+  for (eval_policy& p : all_policies())
+    if (p.name == name) return p;
+  if (std::optional<eval_policy> e = parametric_policy(name)) return *e;
+  std::string names;
+  for (const eval_policy& p : all_policies()) names += (names.empty() ? "" : ", ") + p.name;
+  throw usage_error{"unknown policy " + name + " (known: " + names +
+                    ", and triattention_o<N>, triattention_per_layer_o<N>, triattention_vp<F>, triattention_red<D>, "
+                    "triattention_ema<B>)"};
+}
+
+}  // namespace triattn_eval

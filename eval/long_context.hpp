@@ -1,0 +1,646 @@
+/// \file eval/long_context.hpp
+/// \brief triattn_eval's two long-context regimes on a chat model (the SmolLM2 quality issue):
+///
+/// - `long`: decode-time compression of long generations, the paper's setting. For each
+///   prompt the full-cache model writes its answer (sampled at a temperature from a fixed
+///   seed, end-of-turn tokens excluded so that it writes the whole length); every policy x
+///   budget is teacher-forced along that trajectory in the same batch, so that KL(full ||
+///   compressed), top-1 agreement and NLL are measured on the same tokens. The free-running
+///   agreement comes out of the same pass exactly: a compressed run that drew the same
+///   uniform at each step as the reference would write the reference's tokens up to the
+///   first step where its own distribution puts another token at that uniform, and until
+///   then its cache and the teacher-forced one are the same computation.
+/// - `passkey`: retrieval after a compressed prefill, RULER-style and generated locally as
+///   llama.cpp's `passkey` example builds it: a 5-digit key in filler text at a depth, the
+///   context prefilled in chunks with a round after every chunk, then the question, then a
+///   greedy answer scored exactly.
+///
+/// Both write CSV and markdown, deterministic (fixed seeds, results independent of the
+/// thread count) and read nothing but the model, the stats and the prompt file given.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "eval_common.hpp"
+#include "eval_policies.hpp"
+#include "llama2c/calibration.hpp"
+#include "llama2c/llama2c.hpp"
+#include "llama2c/policies.hpp"
+#include "llama2c/text_model.hpp"
+#include "triattn/calibration/stats_file.hpp"
+#include "triattn/triattn.hpp"
+
+namespace triattn_eval {
+
+/// One compressed sequence of a batch: its session and its policy, fed with the session's
+/// attention. Pinned in memory (the session points at the feed, the feed at the policy).
+struct compressed_sequence {
+  llama2c::session session;
+  llama2c::any_policy policy;
+  llama2c::policy_observer feed;
+  std::int64_t budget;
+  std::int64_t peak = 0;  ///< K+V bytes, the largest the cache held
+  bool compressed = false;
+
+  compressed_sequence(const llama2c::model& m, std::int64_t capacity, llama2c::any_policy p, std::int64_t b)
+      : session(m, capacity), policy(std::move(p)), feed(policy), budget(b) {
+    policy.attach(session.view());
+    session.set_observer(&feed);
+  }
+  compressed_sequence(const compressed_sequence&) = delete;
+  compressed_sequence& operator=(const compressed_sequence&) = delete;
+
+  /// A round when the policy's schedule says so; `prompt_length` tokens are the prompt.
+  void maybe_compress(std::int64_t prompt_length) {
+    peak = std::max(peak, session.kv_bytes());
+    compressed |= triattn::maybe_compress(policy, session.view(), budget,
+                                          triattn::round_context{session.position(), prompt_length});
+  }
+  /// A round now, cutting to the budget, when the cache holds more.
+  void compress_to_budget() {
+    peak = std::max(peak, session.kv_bytes());
+    bool over = false;
+    const triattn::dense_kv_view v = session.view();
+    for (int l = 0; l < v.geometry().num_layers; ++l)
+      for (int h = 0; h < v.geometry().num_kv_heads; ++h) over |= v.length(l, h) > budget;
+    if (!over) return;
+    triattn::compress(policy, v, budget, triattn::round_context{session.position(), 0});
+    compressed = true;
+  }
+};
+
+/// The fraction of the n-grams of `tokens` that are distinct (1 for a text that never
+/// repeats a run of n tokens; near 0 for a loop).
+inline double distinct_ngrams(const std::vector<int>& tokens, std::size_t n) {
+  if (tokens.size() < n) return 1.0;
+  std::set<std::vector<int>> seen;
+  for (std::size_t i = 0; i + n <= tokens.size(); ++i) seen.emplace(tokens.begin() + static_cast<std::ptrdiff_t>(i),
+                                                                   tokens.begin() + static_cast<std::ptrdiff_t>(i + n));
+  return static_cast<double>(seen.size()) / static_cast<double>(tokens.size() + 1 - n);
+}
+
+/// The policies and statistics of a command's `--policies` / `--stats`.
+struct policy_set {
+  std::vector<eval_policy> policies;  ///< without `full`, which every batch has anyway
+  std::optional<triattn::query_stats> stats;
+  bool has_full = false;
+
+  policy_set(const std::string& list, const std::optional<std::string>& stats_path) {
+    bool need_stats = false;
+    for (const std::string& name : split(list)) {
+      if (name == llama2c::full_name) {
+        has_full = true;
+        continue;
+      }
+      policies.push_back(find_eval_policy(name));
+      need_stats |= policies.back().needs_stats;
+    }
+    if (need_stats) {
+      if (!stats_path) throw usage_error{"the TriAttention rows need --stats (triattn calibrate)"};
+      stats = triattn::load_stats(*stats_path);
+    }
+  }
+  const triattn::query_stats* stats_ptr() const { return stats ? &*stats : nullptr; }
+};
+
+/// A seed per (row, sequence) for the policies that draw (random): independent of threads.
+inline std::uint64_t row_seed(std::size_t row, std::size_t sequence) {
+  std::mt19937_64 g = llama2c::window_rng(0x7269616e ^ row, sequence);
+  return g();
+}
+
+// ------------------------------------------------------------------------------------------
+// Regime 1: `long`
+
+struct long_options {
+  fs::path model, prompts, out;
+  std::optional<std::string> stats;
+  std::string policies, budgets = "128,256,512";
+  std::int64_t tokens = 2048, slack = 64;
+  double temperature = 0.7;
+  std::uint64_t seed = 1;
+  int threads = 0;
+};
+
+/// Sums over the scored positions of one (row, prompt).
+struct position_sums {
+  double kl = 0, top1 = 0, nll = 0;
+  std::int64_t n = 0;
+};
+
+/// What one prompt gave: per row (policy x budget, then `full` per budget) and the reference.
+struct long_prompt_result {
+  std::vector<position_sums> rows;        // [policy * budgets + budget]
+  std::vector<position_sums> full;        // [budget]: the full cache's NLL on the same positions
+  std::vector<std::int64_t> prefix, peak;  // [policy * budgets + budget]
+  std::int64_t full_peak = 0, prompt_tokens = 0;
+  std::vector<int> answer;
+  double distinct4 = 0.0;
+};
+
+/// Prompt `index` with the rows [first, last) (row j: policy j / budgets, budget j % budgets)
+/// beside the full cache; the other rows of the result stay empty. Any split of the rows gives
+/// the same numbers: every sequence's logits are the same bits in any batch.
+inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const std::string& prompt_text,
+                                          std::size_t index, const long_options& o, const policy_set& ps,
+                                          const std::vector<std::int64_t>& budgets, std::size_t first,
+                                          std::size_t last, progress_bar& bar) {
+  const llama2c::model& m = tm.model();
+  const std::vector<int> prompt = tm.chat(prompt_text);
+  const auto P = static_cast<std::int64_t>(prompt.size()), T = o.tokens;
+  const std::size_t B = budgets.size(), rows = ps.policies.size() * B;
+  const auto V = static_cast<std::size_t>(m.config().vocab_size);
+  const std::vector<std::uint8_t> allowed = tm.non_ending_tokens();
+  const triattn::schedule sched = triattn::schedule::with_slack(o.slack);
+
+  llama2c::session full(m, P + T);
+  std::deque<compressed_sequence> seqs;  // rows [first, last)
+  for (std::size_t j = first; j < last; ++j) {
+    const std::size_t p = j / B, b = j % B;
+    std::optional<llama2c::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, index), sched);
+    seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]);
+  }
+  // Every row of a budget first compresses on the same step (the shared slack trigger on a
+  // cache that has grown one token a step): the full cache's NLL is summed from the next one.
+  std::vector<std::int64_t> first_round(B, P + T);
+  for (std::size_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < P + T; ++t)
+      if (sched.should_compress(t + 1, budgets[b], t + 1)) {
+        first_round[b] = t;
+        break;
+      }
+  std::vector<llama2c::session*> batch{&full};
+  for (compressed_sequence& s : seqs) batch.push_back(&s.session);
+
+  long_prompt_result r;
+  r.rows.assign(rows, {});
+  r.full.assign(B, {});
+  r.prefix.assign(rows, -1);
+  r.peak.assign(rows, 0);
+  r.prompt_tokens = P;
+  std::mt19937_64 rng = llama2c::window_rng(o.seed, index);
+  llama2c::batch_decoder decoder(m);
+  std::vector<int> tokens(batch.size(), prompt[0]);
+  std::vector<double> logp(V), prob(V);
+  std::vector<char> scored(rows);
+  for (std::int64_t t = 0; t + 1 < P + T; ++t) {
+    for (std::size_t j = first; j < last; ++j) {
+      scored[j] = seqs[j - first].compressed;  // compressed before this forward
+      TRIATTN_CHECK(static_cast<bool>(scored[j]) == (t > first_round[j % B]), "triattn_eval long", "row ", j,
+                    " first compressed at another step than its budget's trigger");
+    }
+    decoder.step(batch, tokens);
+    int next;
+    if (t + 1 < P) {
+      next = prompt[static_cast<std::size_t>(t + 1)];
+    } else {  // this step predicts answer token a
+      const std::int64_t a = t + 1 - P;
+      const std::span<const float> ref = decoder.logits(0);
+      const double u = llama2c::uniform_draw(rng);
+      next = llama2c::sample_token(ref, o.temperature, u, allowed);
+      r.answer.push_back(next);
+      const double lse = log_sum_exp(ref);
+      for (std::size_t i = 0; i < V; ++i) {
+        logp[i] = ref[i] - lse;
+        prob[i] = std::exp(logp[i]);
+      }
+      const int top = llama2c::argmax(ref);
+      for (std::size_t j = first; j < last; ++j) {
+        const std::span<const float> z = decoder.logits(static_cast<int>(j - first + 1));
+        if (scored[j]) {
+          const double lq = log_sum_exp(z);
+          double kl = 0.0;
+          for (std::size_t i = 0; i < V; ++i) kl += prob[i] * (logp[i] - (z[i] - lq));
+          position_sums& s = r.rows[j];
+          s.kl += kl;
+          s.top1 += llama2c::argmax(z) == top ? 1.0 : 0.0;
+          s.nll += lq - z[static_cast<std::size_t>(next)];
+          ++s.n;
+        }
+        if (r.prefix[j] < 0 && llama2c::sample_token(z, o.temperature, u, allowed) != next) r.prefix[j] = a;
+      }
+      for (std::size_t b = 0; b < B; ++b)
+        if (t > first_round[b]) {
+          r.full[b].nll -= logp[static_cast<std::size_t>(next)];
+          ++r.full[b].n;
+        }
+    }
+    std::fill(tokens.begin(), tokens.end(), next);
+    for (compressed_sequence& s : seqs) s.maybe_compress(P);
+    r.full_peak = std::max(r.full_peak, full.kv_bytes());
+    bar.add(1);
+  }
+  for (std::size_t j = first; j < last; ++j) {
+    if (r.prefix[j] < 0) r.prefix[j] = T;
+    r.peak[j] = seqs[j - first].peak;
+  }
+  r.distinct4 = distinct_ngrams(r.answer, 4);
+  return r;
+}
+
+inline long_options parse_long(int argc, char** argv) {
+  const auto o = subcommand_options(argc, argv,
+                                    {"--model", "--prompts", "--stats", "--out", "--policies", "--budgets", "--tokens",
+                                     "--slack", "--temperature", "--seed", "--threads"});
+  long_options l;
+  l.model = required(o, "--model", "long");
+  l.prompts = required(o, "--prompts", "long");
+  l.out = required(o, "--out", "long");
+  l.policies = required(o, "--policies", "long");
+  if (o.contains("--stats")) l.stats = o.at("--stats");
+  if (o.contains("--budgets")) l.budgets = o.at("--budgets");
+  if (o.contains("--tokens")) l.tokens = parse_int("--tokens", o.at("--tokens"), 1);
+  if (o.contains("--slack")) l.slack = parse_int("--slack", o.at("--slack"), 1);
+  if (o.contains("--temperature")) l.temperature = parse_double("--temperature", o.at("--temperature"), 1e-3, 100.0);
+  if (o.contains("--seed")) l.seed = static_cast<std::uint64_t>(parse_int("--seed", o.at("--seed"), 0));
+  if (o.contains("--threads")) l.threads = static_cast<int>(parse_int("--threads", o.at("--threads"), 1));
+  return l;
+}
+
+/// `long --model M --prompts FILE --policies LIST --out DIR [--stats S] [--budgets 128,256,512]
+/// [--tokens 2048] [--slack 64] [--temperature 0.7] [--seed 1] [--threads T]`.
+inline int run_long(int argc, char** argv) {
+  const long_options o = parse_long(argc, argv);
+  const char* api = "triattn_eval long";
+  const llama2c::text_model tm = llama2c::text_model::load(o.model, "", api);
+  const std::vector<std::string> prompts = llama2c::read_prompts(o.prompts, api);
+  const policy_set ps(o.policies, o.stats);
+  std::vector<std::int64_t> budgets;
+  for (const std::string& b : split(o.budgets)) budgets.push_back(parse_int("--budgets", b, 1));
+  if (budgets.empty() || ps.policies.empty()) throw usage_error{"long: --budgets and --policies need a compressing row"};
+  const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  std::fprintf(stderr, "triattn_eval long: %zu prompts x %lld tokens, %zu rows x %zu budgets, D = %lld, %d threads\n",
+               prompts.size(), static_cast<long long>(o.tokens), ps.policies.size(), budgets.size(),
+               static_cast<long long>(o.slack), threads);
+
+  // Each prompt's rows split in `parts` batches (each with its own full cache) so that the
+  // tasks fill every thread: threads / gcd(prompts, threads) parts.
+  const std::size_t B = budgets.size(), N = prompts.size(), rows = ps.policies.size() * B;
+  const std::size_t parts = std::min(rows, static_cast<std::size_t>(threads) / std::gcd(N, static_cast<std::size_t>(threads)));
+  std::vector<long_prompt_result> pieces(N * parts);
+  std::int64_t total = 0;
+  for (const std::string& p : prompts)
+    total += (static_cast<std::int64_t>(tm.chat(p).size()) + o.tokens - 1) * static_cast<std::int64_t>(parts);
+  progress_bar bar("triattn_eval long", total);
+  parallel_tasks(N * parts, threads, [&](std::size_t task) {
+    const std::size_t i = task / parts, k = task % parts;
+    pieces[task] = run_long_prompt(tm, prompts[i], i, o, ps, budgets, rows * k / parts, rows * (k + 1) / parts, bar);
+  });
+  std::fputc('\n', stderr);
+  std::vector<long_prompt_result> results;
+  for (std::size_t i = 0; i < N; ++i) {
+    long_prompt_result r = std::move(pieces[i * parts]);
+    for (std::size_t k = 1; k < parts; ++k) {
+      const long_prompt_result& q = pieces[i * parts + k];
+      TRIATTN_CHECK(q.answer == r.answer, api, "prompt ", i, ": part ", k, " sampled another answer");
+      for (std::size_t j = rows * k / parts; j < rows * (k + 1) / parts; ++j) {
+        r.rows[j] = q.rows[j];
+        r.prefix[j] = q.prefix[j];
+        r.peak[j] = q.peak[j];
+      }
+    }
+    results.push_back(std::move(r));
+  }
+
+  // Per (row, prompt) means, then mean and standard error across prompts.
+  std::ostringstream csv, per, md, answers;
+  csv << "policy,budget,kl,kl_se,top1,top1_se,nll,nll_se,ppl,gen_prefix,gen_prefix_se,kv_bytes,prompts,positions,"
+         "slack,tokens,temperature\n";
+  per << "policy,budget,prompt,kl,top1,nll,gen_prefix,positions,kv_bytes\n";
+  md << "# Decode-time compression of long generations (triattn_eval long)\n\n"
+     << "Prompts: " << N << " (" << o.prompts.filename().string() << "), each answered by the full-cache model with "
+     << o.tokens << " tokens sampled at temperature " << fmt("%g", o.temperature) << " (seed " << o.seed
+     << ", end-of-turn tokens excluded); every row is teacher-forced along that answer. Slack trigger D = " << o.slack
+     << " for every policy (a round when the cache reaches budget + D cuts it to budget; peak budget + D). "
+     << "KL(full || compressed) in nats, top-1 agreement with the full cache and NLL of the answer's tokens, over every "
+     << "answer position after the first compression (the same positions for every row of a budget); gen_prefix: the "
+     << "mean number of answer tokens a free-running compressed model writes before its first token that differs "
+     << "(same seed and uniforms). ± is the standard error across prompts.\n\n"
+     << "| policy | B | KL | top-1 % | NLL | gen_prefix | KV bytes |\n|---|---:|---:|---:|---:|---:|---:|\n";
+  const auto emit = [&](const std::string& name, std::int64_t budget, const std::vector<double>& kl,
+                        const std::vector<double>& top1, const std::vector<double>& nll,
+                        const std::vector<double>& prefix, std::int64_t bytes, std::int64_t positions) {
+    const mean_se k = mean_and_se(kl), t = mean_and_se(top1), n = mean_and_se(nll), g = mean_and_se(prefix);
+    csv << name << ',' << budget << ',' << fmt("%.6f", k.mean) << ',' << fmt("%.6f", k.se) << ',' << fmt("%.6f", t.mean)
+        << ',' << fmt("%.6f", t.se) << ',' << fmt("%.6f", n.mean) << ',' << fmt("%.6f", n.se) << ','
+        << fmt("%.4f", std::exp(n.mean)) << ',' << fmt("%.2f", g.mean) << ',' << fmt("%.2f", g.se) << ',' << bytes << ','
+        << N << ',' << positions << ',' << o.slack << ',' << o.tokens << ',' << fmt("%g", o.temperature) << '\n';
+    md << "| " << name << " | " << budget << " | " << fmt("%.4f", k.mean) << " ± " << fmt("%.4f", k.se) << " | "
+       << fmt("%.1f", 100 * t.mean) << " ± " << fmt("%.1f", 100 * t.se) << " | " << fmt("%.4f", n.mean) << " ± "
+       << fmt("%.4f", n.se) << " | " << fmt("%.0f", g.mean) << " ± " << fmt("%.0f", g.se) << " | " << bytes << " |\n";
+  };
+  for (std::size_t b = 0; b < B; ++b) {
+    std::vector<double> zero(N, 0.0), one(N, 1.0), nll, prefix(N, static_cast<double>(o.tokens));
+    std::int64_t positions = 0, bytes = 0;
+    for (const long_prompt_result& r : results) {
+      nll.push_back(r.full[b].n > 0 ? r.full[b].nll / static_cast<double>(r.full[b].n) : NAN);
+      positions += r.full[b].n;
+      bytes = std::max(bytes, r.full_peak);
+    }
+    if (ps.has_full) emit(std::string(llama2c::full_name), budgets[b], zero, one, nll, prefix, bytes, positions);
+  }
+  for (std::size_t p = 0; p < ps.policies.size(); ++p)
+    for (std::size_t b = 0; b < B; ++b) {
+      const std::size_t j = p * B + b;
+      std::vector<double> kl, top1, nll, prefix;
+      std::int64_t positions = 0, bytes = 0;
+      for (std::size_t i = 0; i < N; ++i) {
+        const long_prompt_result& r = results[i];
+        const position_sums& s = r.rows[j];
+        const double n = s.n > 0 ? static_cast<double>(s.n) : NAN;
+        kl.push_back(s.kl / n);
+        top1.push_back(s.top1 / n);
+        nll.push_back(s.nll / n);
+        prefix.push_back(static_cast<double>(r.prefix[j]));
+        positions += s.n;
+        bytes = std::max(bytes, r.peak[j]);
+        per << ps.policies[p].name << ',' << budgets[b] << ',' << i << ',' << fmt("%.6f", kl.back()) << ','
+            << fmt("%.6f", top1.back()) << ',' << fmt("%.6f", nll.back()) << ',' << r.prefix[j] << ',' << s.n << ','
+            << r.peak[j] << '\n';
+      }
+      emit(ps.policies[p].name, budgets[b], kl, top1, nll, prefix, bytes, positions);
+    }
+  md << "\nThe answers (the reference trajectories): distinct 4-grams as a fraction of all 4-grams (a loop scores near "
+        "0).\n\n| prompt | prompt tokens | distinct 4-grams | opening of the answer |\n|---:|---:|---:|---|\n";
+  for (std::size_t i = 0; i < N; ++i) {
+    const long_prompt_result& r = results[i];
+    std::string head = tm.decode(std::span(r.answer).first(std::min<std::size_t>(r.answer.size(), 24)));
+    for (char& c : head)
+      if (c == '\n' || c == '|') c = ' ';
+    md << "| " << i << " | " << r.prompt_tokens << " | " << fmt("%.3f", r.distinct4) << " | " << head << " ... |\n";
+    answers << "== prompt " << i << ": " << prompts[i] << "\n" << tm.decode(r.answer) << "\n\n";
+  }
+  md << "\nWall time: " << fmt("%.1f", bar.seconds()) << " s on " << threads << " threads.\n";
+  write_file(o.out, "long.csv", csv.str());
+  write_file(o.out, "long_prompts.csv", per.str());
+  write_file(o.out, "long.md", md.str());
+  write_file(o.out, "answers.txt", answers.str());
+  std::fprintf(stderr, "triattn_eval long: wrote %s/long.csv, long.md in %.1f s\n", o.out.string().c_str(), bar.seconds());
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// Regime 2: `passkey`
+
+struct passkey_options {
+  fs::path model, out;
+  std::optional<std::string> stats;
+  std::string policies, fractions = "0.1,0.25,0.5", contexts = "1024,2048,4096", depths = "0.1,0.3,0.5,0.7,0.9";
+  int trials = 1, chunk = 128, answer_tokens = 8, threads = 0;
+  std::uint64_t seed = 1;
+};
+
+/// One passkey prompt: the context (prefilled in chunks), the question, and the key.
+struct passkey_sample {
+  std::int64_t context = 0;  ///< the asked context length in tokens
+  double depth = 0;
+  int trial = 0;
+  int key = 0;
+  std::vector<int> prefill, question;
+};
+
+/// llama.cpp's `passkey` example's text (examples/passkey/passkey.cpp): the instruction, filler
+/// sentences with the key sentence after `round(depth x fillers)` of them, as many fillers as
+/// fit `context` tokens with the question, then the question.
+inline passkey_sample make_passkey(const llama2c::text_model& tm, std::int64_t context, double depth, int trial,
+                                   std::uint64_t seed) {
+  constexpr std::string_view prefix =
+      "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you "
+      "about the important information there.";
+  constexpr std::string_view filler =
+      " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+  constexpr std::string_view question = " What is the pass key? The pass key is";
+  passkey_sample s{context, depth, trial, 0, {}, {}};
+  std::mt19937_64 g = llama2c::window_rng(seed ^ static_cast<std::uint64_t>(context),
+                                          static_cast<std::size_t>(std::llround(depth * 1000)) * 1000 + trial);
+  s.key = 10000 + static_cast<int>(g() % 90000);
+  const std::string key = std::to_string(s.key);
+  const std::string needle = " The pass key is " + key + ". Remember it. " + key + " is the pass key.";
+  const auto start = static_cast<std::int64_t>(tm.encode("").size());
+  const auto tokens = [&](std::string_view text) { return static_cast<std::int64_t>(tm.encode(text).size()) - start; };
+  const std::int64_t fixed = start + tokens(prefix) + tokens(needle) + tokens(question), each = tokens(filler);
+  const std::int64_t fillers = std::max<std::int64_t>((context - fixed) / each, 1);
+  const auto at = static_cast<std::int64_t>(std::llround(depth * static_cast<double>(fillers)));
+  std::string text(prefix);
+  for (std::int64_t i = 0; i < fillers; ++i) {
+    if (i == at) text += needle;
+    text += filler;
+  }
+  if (at >= fillers) text += needle;
+  std::vector<int> all = tm.encode(text + std::string(question));
+  s.question = tm.encode(question);
+  s.question.erase(s.question.begin(), s.question.begin() + start);
+  TRIATTN_CHECK(all.size() > s.question.size() &&
+                    std::equal(s.question.begin(), s.question.end(), all.end() - static_cast<std::ptrdiff_t>(s.question.size())),
+                "triattn_eval passkey", "the question does not tokenize the same at the end of the prompt");
+  s.prefill.assign(all.begin(), all.end() - static_cast<std::ptrdiff_t>(s.question.size()));
+  return s;
+}
+
+/// The first run of digits in `text`, or "".
+inline std::string first_number(std::string_view text) {
+  const auto a = text.find_first_of("0123456789");
+  if (a == std::string_view::npos) return {};
+  const auto b = text.find_first_not_of("0123456789", a);
+  return std::string(text.substr(a, b == std::string_view::npos ? std::string_view::npos : b - a));
+}
+
+struct passkey_answer {
+  std::string text;
+  bool correct = false;
+};
+
+/// Sample `s` with the full cache and the rows [first, last) (row j: policy j / fractions,
+/// fraction j % fractions) in one batch. Returns the answers [1 + rows], full first; the rows
+/// outside the range stay empty. `index` seeds the rows that draw.
+inline std::vector<passkey_answer> run_passkey_sample(const llama2c::text_model& tm, const passkey_sample& s,
+                                                      const passkey_options& o, const policy_set& ps,
+                                                      const std::vector<double>& fractions, std::size_t first,
+                                                      std::size_t last, std::size_t index, progress_bar& bar) {
+  const llama2c::model& m = tm.model();
+  const std::size_t F = fractions.size();
+  const std::size_t prompt = s.prefill.size() + s.question.size();
+  const auto length = static_cast<std::int64_t>(prompt) + o.answer_tokens;
+  llama2c::session full(m, length);
+  std::deque<compressed_sequence> seqs;  // rows [first, last)
+  std::vector<llama2c::session*> batch{&full};
+  for (std::size_t j = first; j < last; ++j) {
+    const std::int64_t budget = std::max<std::int64_t>(1, std::llround(fractions[j % F] * static_cast<double>(s.context)));
+    std::optional<llama2c::any_policy> pol =
+        ps.policies[j / F].make(ps.stats_ptr(), row_seed(j, index), triattn::schedule::every_step());
+    compressed_sequence& c = seqs.emplace_back(
+        m, std::min(length, budget + o.chunk + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
+        std::move(*pol), budget);
+    batch.push_back(&c.session);
+  }
+  llama2c::batch_decoder decoder(m);
+  std::vector<std::vector<int>> answers(batch.size());
+  std::vector<int> tokens(batch.size());
+  for (std::size_t t = 0; t + 1 < prompt + static_cast<std::size_t>(o.answer_tokens); ++t) {
+    for (std::size_t k = 0; k < batch.size(); ++k)
+      tokens[k] = t < s.prefill.size() ? s.prefill[t] : t < prompt ? s.question[t - s.prefill.size()] : answers[k].back();
+    decoder.step(batch, tokens);
+    if (t + 1 >= prompt)
+      for (std::size_t k = 0; k < batch.size(); ++k) answers[k].push_back(llama2c::argmax(decoder.logits(static_cast<int>(k))));
+    if (t + 1 <= s.prefill.size() && ((t + 1) % static_cast<std::size_t>(o.chunk) == 0 || t + 1 == s.prefill.size()))
+      for (compressed_sequence& c : seqs) c.compress_to_budget();  // a round after every chunk of the prefill
+    bar.add(1);
+  }
+  std::vector<passkey_answer> out(1 + ps.policies.size() * F);
+  for (std::size_t k = 0; k < batch.size(); ++k) {
+    passkey_answer& a = out[k == 0 ? 0 : 1 + first + k - 1];
+    a.text = tm.decode(answers[k]);
+    a.correct = first_number(a.text) == std::to_string(s.key);
+  }
+  return out;
+}
+
+/// `passkey --model M --policies LIST --out DIR [--stats S] [--fractions 0.1,0.25,0.5]
+/// [--contexts 1024,2048,4096] [--depths 0.1,...] [--trials 1] [--chunk 128] [--answer-tokens 8]
+/// [--seed 1] [--threads T]`.
+inline int run_passkey(int argc, char** argv) {
+  const auto a = subcommand_options(argc, argv,
+                                    {"--model", "--stats", "--out", "--policies", "--fractions", "--contexts", "--depths",
+                                     "--trials", "--chunk", "--answer-tokens", "--seed", "--threads"});
+  const char* api = "triattn_eval passkey";
+  passkey_options o;
+  o.model = required(a, "--model", "passkey");
+  o.out = required(a, "--out", "passkey");
+  o.policies = required(a, "--policies", "passkey");
+  if (a.contains("--stats")) o.stats = a.at("--stats");
+  if (a.contains("--fractions")) o.fractions = a.at("--fractions");
+  if (a.contains("--contexts")) o.contexts = a.at("--contexts");
+  if (a.contains("--depths")) o.depths = a.at("--depths");
+  if (a.contains("--trials")) o.trials = static_cast<int>(parse_int("--trials", a.at("--trials"), 1));
+  if (a.contains("--chunk")) o.chunk = static_cast<int>(parse_int("--chunk", a.at("--chunk"), 1));
+  if (a.contains("--answer-tokens")) o.answer_tokens = static_cast<int>(parse_int("--answer-tokens", a.at("--answer-tokens"), 1));
+  if (a.contains("--seed")) o.seed = static_cast<std::uint64_t>(parse_int("--seed", a.at("--seed"), 0));
+  if (a.contains("--threads")) o.threads = static_cast<int>(parse_int("--threads", a.at("--threads"), 1));
+  std::vector<double> fractions, depths;
+  std::vector<std::int64_t> contexts;
+  for (const std::string& f : split(o.fractions)) fractions.push_back(parse_double("--fractions", f, 1e-6, 1.0));
+  for (const std::string& d : split(o.depths)) depths.push_back(parse_double("--depths", d, 0.0, 1.0));
+  for (const std::string& c : split(o.contexts)) contexts.push_back(parse_int("--contexts", c, 64));
+  if (fractions.empty() || depths.empty() || contexts.empty()) throw usage_error{"passkey: empty list"};
+
+  const llama2c::text_model tm = llama2c::text_model::load(o.model, "", api);
+  const policy_set ps(o.policies, o.stats);
+  const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  // Tasks: each sample's rows split in `parts` batches (each with its own full cache) so that
+  // the tasks fill every thread: threads / gcd(samples, threads) parts.
+  std::vector<passkey_sample> all;
+  for (const std::int64_t c : contexts)
+    for (const double d : depths)
+      for (int t = 0; t < o.trials; ++t) all.push_back(make_passkey(tm, c, d, t, o.seed));
+  const std::size_t F = fractions.size(), rows = ps.policies.size() * F, S = all.size();
+  const std::size_t parts = std::max<std::size_t>(
+      1, std::min(rows, static_cast<std::size_t>(threads) / std::gcd(S, static_cast<std::size_t>(threads))));
+  std::int64_t total = 0;
+  for (const passkey_sample& x : all)
+    total += static_cast<std::int64_t>(parts * (x.prefill.size() + x.question.size() + static_cast<std::size_t>(o.answer_tokens) - 1));
+  std::fprintf(stderr, "triattn_eval passkey: %zu samples, %zu rows x %zu fractions, chunks of %d, %d threads\n", S,
+               ps.policies.size(), F, o.chunk, threads);
+  progress_bar bar("triattn_eval passkey", total);
+  std::vector<std::vector<passkey_answer>> pieces(S * parts);
+  parallel_tasks(S * parts, threads, [&](std::size_t task) {
+    const std::size_t i = task / parts, k = task % parts;
+    pieces[task] = run_passkey_sample(tm, all[i], o, ps, fractions, rows * k / parts, rows * (k + 1) / parts, i, bar);
+  });
+  std::fputc('\n', stderr);
+  std::vector<std::vector<passkey_answer>> results;  // [sample][1 + row]
+  for (std::size_t i = 0; i < S; ++i) {
+    std::vector<passkey_answer> r = std::move(pieces[i * parts]);
+    for (std::size_t k = 1; k < parts; ++k) {
+      TRIATTN_CHECK(pieces[i * parts + k][0].text == r[0].text, api, "sample ", i, ": part ", k,
+                    " gave the full cache another answer");
+      for (std::size_t j = rows * k / parts; j < rows * (k + 1) / parts; ++j) r[1 + j] = pieces[i * parts + k][1 + j];
+    }
+    results.push_back(std::move(r));
+  }
+
+  // Accuracy per (row, fraction, context) and over the contexts; SE of a proportion.
+  std::ostringstream csv, samples, md;
+  csv << "policy,fraction,context,budget,accuracy,accuracy_se,samples\n";
+  samples << "policy,fraction,context,depth,trial,key,correct,answer\n";
+  md << "# Passkey retrieval after a compressed prefill (triattn_eval passkey)\n\n"
+     << "llama.cpp's `passkey` text: a 5-digit key at a depth of filler text; the context is prefilled in chunks of "
+     << o.chunk << " tokens with a round after every chunk that cuts the cache to the budget (a fraction of the "
+     << "context), then the question, then " << o.answer_tokens << " greedy tokens; correct when the first number "
+     << "of the answer is the key. Depths " << o.depths << ", " << o.trials << " key(s) per depth. ± is the standard "
+     << "error of the proportion (sqrt(p (1 - p) / n)).\n\n| policy | fraction |";
+  for (const std::int64_t c : contexts) md << " " << c << " |";
+  md << " all |\n|---|---:|";
+  for (std::size_t c = 0; c <= contexts.size(); ++c) md << "---:|";
+  md << "\n";
+  const auto cell = [](double hits, double n) {
+    const double p = n > 0 ? hits / n : NAN;
+    return std::pair{p, n > 0 ? std::sqrt(p * (1 - p) / n) : NAN};
+  };
+  std::vector<std::string> names;
+  if (ps.has_full) names.emplace_back(llama2c::full_name);
+  for (const eval_policy& p : ps.policies) names.push_back(p.name);
+  for (std::size_t r = 0; r < names.size(); ++r) {
+    const bool is_full = ps.has_full && r == 0;
+    const std::size_t p = ps.has_full ? r - 1 : r;
+    for (std::size_t f = 0; f < (is_full ? 1 : F); ++f) {
+      const std::size_t column = is_full ? 0 : 1 + p * F + f;
+      md << "| " << names[r] << " | " << (is_full ? std::string("1") : fmt("%g", fractions[f])) << " |";
+      double all_hits = 0, all_n = 0;
+      for (const std::int64_t c : contexts) {
+        double hits = 0, n = 0;
+        for (std::size_t i = 0; i < S; ++i) {
+          const passkey_sample& s = all[i];
+          if (s.context != c) continue;
+          const passkey_answer& ans = results[i][column];
+          hits += ans.correct ? 1 : 0;
+          ++n;
+          std::string text = ans.text;
+          for (char& ch : text)
+            if (ch == '\n' || ch == ',' || ch == '"') ch = ' ';
+          samples << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ',' << c << ',' << fmt("%g", s.depth) << ','
+                  << s.trial << ',' << s.key << ',' << (ans.correct ? 1 : 0) << ',' << text << '\n';
+        }
+        const auto [acc, se] = cell(hits, n);
+        const std::int64_t budget = is_full ? c : std::max<std::int64_t>(1, std::llround(fractions[f] * static_cast<double>(c)));
+        csv << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ',' << c << ',' << budget << ',' << fmt("%.4f", acc)
+            << ',' << fmt("%.4f", se) << ',' << n << '\n';
+        md << " " << fmt("%.2f", acc) << " ± " << fmt("%.2f", se) << " |";
+        all_hits += hits;
+        all_n += n;
+      }
+      const auto [acc, se] = cell(all_hits, all_n);
+      csv << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ",all,0," << fmt("%.4f", acc) << ',' << fmt("%.4f", se)
+          << ',' << all_n << '\n';
+      md << " " << fmt("%.2f", acc) << " ± " << fmt("%.2f", se) << " |\n";
+    }
+  }
+  md << "\nWall time: " << fmt("%.1f", bar.seconds()) << " s on " << threads << " threads.\n";
+  write_file(o.out, "passkey.csv", csv.str());
+  write_file(o.out, "passkey_samples.csv", samples.str());
+  write_file(o.out, "passkey.md", md.str());
+  std::fprintf(stderr, "triattn_eval passkey: wrote %s/passkey.csv, passkey.md in %.1f s\n", o.out.string().c_str(),
+               bar.seconds());
+  return 0;
+}
+
+}  // namespace triattn_eval
