@@ -468,6 +468,28 @@ LLAMA2C_PRODUCT_CLONES inline void matmul(float* out, const float* w, const floa
   }
 }
 
+// att[t] = (q · k_t) / scale for the `len` keys at `keys` + t * `stride` (an f32 cache read in
+// place). Eight keys at a time, each dot product summed in d order as run.c's: eight
+// independent chains hide the latency of the adds, and every key gets run.c's bits.
+LLAMA2C_PRODUCT_CLONES inline void attention_logits(const float* q, const float* keys, std::int64_t stride, int hd,
+                                                    std::int32_t len, float scale, float* att) {
+  constexpr int block = 8;
+  std::int32_t t = 0;
+  for (; t + block <= len; t += block) {
+    float acc[block] = {};
+    const float* k = keys + static_cast<std::ptrdiff_t>(t) * stride;
+    for (int d = 0; d < hd; ++d)
+      for (int i = 0; i < block; ++i) acc[i] += q[d] * k[static_cast<std::ptrdiff_t>(i) * stride + d];
+    for (int i = 0; i < block; ++i) att[t + i] = acc[i] / scale;
+  }
+  for (; t < len; ++t) {
+    const float* k = keys + static_cast<std::ptrdiff_t>(t) * stride;
+    float dot = 0.0f;
+    for (int d = 0; d < hd; ++d) dot += q[d] * k[d];
+    att[t] = dot / scale;
+  }
+}
+
 inline void rmsnorm(float* out, const float* x, const float* gain, int n, float eps) {
   float ss = 0.0f;
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];
@@ -697,18 +719,25 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
         view.position(l, g, slot) = pos;
       }
 
-      // Attention: q-head h reads kv head h / group, over the slots that head holds.
+      // Attention: q-head h reads kv head h / group, over the slots that head holds. An f32
+      // cache is read in place; others are decoded a row at a time.
+      const bool f32 = view.geometry().type == triattn::dtype::f32;
       float* key = b.row.data();
       for (int h = 0; h < c.n_heads; ++h) {
         const int g = h / group;
         const std::int32_t len = se.length(l, g);
         const float* q = q_all + h * hd;
         float* att = b.att.data();
-        for (std::int32_t t = 0; t < len; ++t) {
-          triattn::load_key(view, l, g, t, key);
-          float dot = 0.0f;
-          for (int d = 0; d < hd; ++d) dot += q[d] * key[d];
-          att[t] = dot / scale;
+        if (f32) {
+          detail::attention_logits(q, reinterpret_cast<const float*>(view.key(l, g, 0)),
+                                   view.k_stride.token, hd, len, scale, att);
+        } else {
+          for (std::int32_t t = 0; t < len; ++t) {
+            triattn::load_key(view, l, g, t, key);
+            float dot = 0.0f;
+            for (int d = 0; d < hd; ++d) dot += q[d] * key[d];
+            att[t] = dot / scale;
+          }
         }
         detail::softmax(att, len);
         if (se.observer_ != nullptr)
@@ -716,8 +745,10 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
         float* out = row(b.xb, s, dim) + h * hd;
         std::fill_n(out, hd, 0.0f);
         for (std::int32_t t = 0; t < len; ++t) {
-          triattn::load_value(view, l, g, t, key);
-          for (int d = 0; d < hd; ++d) out[d] += att[t] * key[d];
+          const float* v = key;
+          if (f32) v = reinterpret_cast<const float*>(view.value(l, g, t));
+          else triattn::load_value(view, l, g, t, key);
+          for (int d = 0; d < hd; ++d) out[d] += att[t] * v[d];
         }
       }
     }
