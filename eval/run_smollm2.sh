@@ -59,7 +59,7 @@ if (( quick )); then
   candidates="triattention_vp0.2 triattention_red1 triattention_ema0.5"
   take() { grep -v '^#' "$1" | grep . | head -n 1; }
 else
-  answer=1024 tokens=2048 budgets=128,512 dev_budgets=128,512 contexts=1024,2048 depths=0.1,0.5,0.9
+  answer=1024 tokens=2048 budgets=128,512 dev_budgets=128 contexts=1024,2048 depths=0.1,0.5,0.9
   fractions=0.1,0.25,0.5
   candidates="triattention_vp0.05 triattention_vp0.2 triattention_red0.3 triattention_red1 triattention_ema0.5 triattention_ema0.9"
   take() { grep -v '^#' "$1" | grep .; }

@@ -56,7 +56,7 @@ const std::set<std::string, std::less<>> value_options = {
     "--stats", "--keys", "--values", "--queries", "--attn", "--positions", "--round-start", "--budget", "--out",
     "--window", "--protect-first", "--offset-max", "--aggregation", "--granularity", "--gqa", "--model",
     "--tokenizer", "--text", "--windows", "--window-tokens", "--sinks", "--prompts", "--answer-tokens",
-    "--temperature", "--seed"};
+    "--temperature", "--seed", "--repeat-window"};
 const std::set<std::string, std::less<>> switch_options = {"--pre-rope", "--disable-trig", "--disable-norm",
                                                            "--no-normalize", "--help"};
 
@@ -598,8 +598,9 @@ void progress(const char* what, std::int64_t done, std::int64_t total) {
 
 /// `calibrate --prompts FILE`: on the model's own answers to the prompts of FILE (one a line),
 /// each `--answer-tokens` long at least (default 1024), sampled at `--temperature` (default
-/// 0.7) from `--seed` (default 1), end-of-turn tokens excluded so that every answer runs the
-/// whole length.
+/// 0.7) from `--seed` (default 1) with a repetition penalty of 1.2 over the last
+/// `--repeat-window` tokens (default 128; 0: none), end-of-turn tokens excluded so that every
+/// answer runs the whole length.
 int calibrate_on_answers(const options& o, const llama2c::text_model& model, const fs::path& model_path,
                          const fs::path& out) {
   const char* api = "triattn calibrate";
@@ -623,15 +624,19 @@ int calibrate_on_answers(const options& o, const llama2c::text_model& model, con
       !std::isfinite(temperature))
     throw usage_error{"--temperature \"" + temperature_text + "\" is not a number > 0"};
   const auto seed = static_cast<std::uint64_t>(o.integer("--seed", 0, 1));
+  // triattn_eval long's sampler: SmolLM2's long answers loop without the penalty.
+  const std::int64_t repeat_window = o.integer("--repeat-window", 0, 128);
   const std::vector<std::uint8_t> allowed = model.non_ending_tokens();
   triattn::query_stats stats = llama2c::calibrate_on_answers(
       model.model(), prompts, static_cast<int>(length), seed, temperature, allowed,
       [](std::size_t done, std::size_t total) {
         progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
-      });
+      },
+      1.2f, static_cast<int>(repeat_window));
   stats.info["model"] = model_path.filename().string();
   stats.info["source"] = prompts_path.filename().string() + ": the model's answers, " + std::to_string(answer) +
-                         "+ tokens each, temperature " + temperature_text + ", seed " + std::to_string(seed);
+                         "+ tokens each, temperature " + temperature_text + ", repetition penalty 1.2 over " +
+                         std::to_string(repeat_window) + " tokens, seed " + std::to_string(seed);
   triattn::save_stats(out, stats);
   std::fprintf(stderr, "calibrate: %s traces, %s tokens -> %s\n", stats.info["num_traces"].c_str(),
                stats.info["num_tokens"].c_str(), out.string().c_str());

@@ -91,6 +91,47 @@ inline int sample_token(std::span<const float> logits, double temperature, std::
   return sample_token(logits, temperature, uniform_draw(rng), allowed);
 }
 
+/// Sampling of long answers: temperature, the ids `allowed` marks (empty: all), and a
+/// repetition penalty over the last `window` tokens drawn (llama.cpp's `repeat_penalty`: the
+/// logit of a recent id is divided by `penalty` when positive and multiplied when negative),
+/// which keeps a small model's long answers from settling into a loop. `draw` does not
+/// change the history, so that a second model can draw with the same history and uniform;
+/// `push` records the token the answer goes on with.
+class answer_sampler {
+ public:
+  answer_sampler(double temperature, float penalty, int window, std::span<const std::uint8_t> allowed = {})
+      : temperature_(temperature), penalty_(penalty), window_(window), allowed_(allowed) {
+    TRIATTN_CHECK(penalty >= 1.0f && std::isfinite(penalty) && window >= 0, "llama2c::answer_sampler", "penalty ",
+                  penalty, " must be finite and >= 1, window ", window, " >= 0");
+  }
+  /// The token `logits` give the uniform `u` with the current history.
+  int draw(std::span<const float> logits, double u) {
+    if (penalty_ == 1.0f || recent_.empty()) return sample_token(logits, temperature_, u, allowed_);
+    buf_.assign(logits.begin(), logits.end());
+    ids_ = recent_;  // each recent id penalised once
+    std::sort(ids_.begin(), ids_.end());
+    ids_.erase(std::unique(ids_.begin(), ids_.end()), ids_.end());
+    for (const int id : ids_) {
+      float& z = buf_.at(static_cast<std::size_t>(id));
+      z = z > 0.0f ? z / penalty_ : z * penalty_;
+    }
+    return sample_token(buf_, temperature_, u, allowed_);
+  }
+  void push(int token) {
+    if (window_ == 0) return;
+    recent_.push_back(token);
+    if (static_cast<int>(recent_.size()) > window_) recent_.erase(recent_.begin());
+  }
+
+ private:
+  double temperature_;
+  float penalty_;
+  int window_;
+  std::span<const std::uint8_t> allowed_;
+  std::vector<int> recent_, ids_;
+  std::vector<float> buf_;
+};
+
 /// The generator of sampled window `w` for `seed`: every window has its own stream, so
 /// windows can be drawn together in a batch. std::seed_seq's mixing is fully specified.
 inline std::mt19937_64 window_rng(std::uint64_t seed, std::size_t w) {
@@ -203,25 +244,32 @@ inline triattn::query_stats calibrate_on_samples(const model& m, int windows, st
 /// Calibrates on the model's own answers, as the paper calibrates on its models' reasoning
 /// traces: window w is `prompts[w]` followed by tokens the model samples (at `temperature`,
 /// among the ids `allowed` marks; empty: all) until the window holds `length` tokens, so every
-/// answer has at least `length` minus the longest prompt tokens. Window w draws from
-/// window_rng(seed, w). `progress(done, total)` is called after each window.
+/// answer has at least `length` minus the longest prompt tokens, with an optional repetition
+/// penalty (`answer_sampler`). Window w draws from window_rng(seed, w). `progress(done, total)` is called after each window.
 inline triattn::query_stats calibrate_on_answers(const model& m, const std::vector<std::vector<int>>& prompts,
                                                  int length, std::uint64_t seed, double temperature,
                                                  std::span<const std::uint8_t> allowed = {},
-                                                 const calibration_progress& progress = {}) {
+                                                 const calibration_progress& progress = {}, float repeat_penalty = 1.0f,
+                                                 int repeat_window = 0) {
   const char* api = "llama2c::calibrate_on_answers";
   TRIATTN_CHECK(!prompts.empty(), api, "no prompts");
   for (std::size_t w = 0; w < prompts.size(); ++w)
     TRIATTN_CHECK(!prompts[w].empty() && prompts[w].size() < static_cast<std::size_t>(length), api, "prompt ", w,
                   " has ", prompts[w].size(), " tokens; it must have 1 to length - 1 = ", length - 1);
   std::vector<std::mt19937_64> rngs;
-  for (std::size_t w = 0; w < prompts.size(); ++w) rngs.push_back(window_rng(seed, w));
+  std::vector<answer_sampler> samplers;
+  for (std::size_t w = 0; w < prompts.size(); ++w) {
+    rngs.push_back(window_rng(seed, w));
+    samplers.emplace_back(temperature, repeat_penalty, repeat_window, allowed);
+  }
   return detail::calibrate_windows(
       m, prompts.size(), length,
       [&](std::size_t w, int t, std::span<const float> logits) {
         const auto& p = prompts[w];
-        return static_cast<std::size_t>(t) < p.size() ? p[static_cast<std::size_t>(t)]
-                                                      : sample_token(logits, temperature, rngs[w], allowed);
+        if (static_cast<std::size_t>(t) < p.size()) return p[static_cast<std::size_t>(t)];
+        const int next = samplers[w].draw(logits, uniform_draw(rngs[w]));
+        samplers[w].push(next);
+        return next;
       },
       progress);
 }

@@ -100,6 +100,7 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
   llama2c::session full(m, P + tokens), forced(m, budget + slack), free_run(m, budget + slack);
   llama2c::any_policy forced_policy = make(), free_policy = make();
   std::mt19937_64 rng = llama2c::window_rng(1, 0);  // seed 1 (the default), prompt 0
+  llama2c::answer_sampler reference(0.7, 1.2f, 128, allowed), own(0.7, 1.2f, 128, allowed);  // the defaults
   double kl = 0, top1 = 0, nll = 0, full_nll = 0;
   std::int64_t n = 0, prefix = -1;
   int ref_token = p[0], free_token = p[0];
@@ -121,9 +122,11 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
       free_token = next;
     } else {
       const double u = llama2c::uniform_draw(rng);
-      next = llama2c::sample_token(ref_logits, 0.7, u, allowed);
-      if (prefix < 0) {
-        free_token = llama2c::sample_token(free_logits, 0.7, u, allowed);
+      next = reference.draw(ref_logits, u);
+      reference.push(next);
+      if (prefix < 0) {  // the free run draws with its own history: its own tokens so far
+        free_token = own.draw(free_logits, u);
+        own.push(free_token);
         if (free_token != next) prefix = t + 1 - P;
       }
       if (scored) {
@@ -194,7 +197,7 @@ TEST_CASE("calibrate --prompts: the statistics of the model's own answers, as in
   const std::vector<std::vector<int>> prompts{tm.chat("Explain why the sky is blue."), tm.chat("Write a poem about rain.")};
   const int length = static_cast<int>(std::max(prompts[0].size(), prompts[1].size())) + 16;
   const triattn::query_stats want =
-      llama2c::calibrate_on_answers(tm.model(), prompts, length, 3, 0.7, tm.non_ending_tokens());
+      llama2c::calibrate_on_answers(tm.model(), prompts, length, 3, 0.7, tm.non_ending_tokens(), {}, 1.2f, 128);
   CHECK(got.info.at("num_traces") == "2");
   CHECK(got.q_mean_real == want.q_mean_real);
   CHECK(got.q_mean_imag == want.q_mean_imag);
