@@ -13,7 +13,7 @@
 #include "triattn/core/granularity.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
-#include "triattn/policies/triattention.hpp"
+#include "triattn/policies/triattention_config.hpp"
 
 namespace triattn_cuda_test::cpu {
 

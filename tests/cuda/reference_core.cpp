@@ -9,6 +9,7 @@
 
 #include "support/triattention_reference.hpp"
 #include "triattn/policies/streaming_llm.hpp"
+#include "triattn/policies/triattention.hpp"
 
 namespace triattn_cuda_test::cpu {
 
