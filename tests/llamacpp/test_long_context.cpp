@@ -148,15 +148,15 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
   if (prefix < 0) prefix = tokens;
   REQUIRE(n > 0);
   const auto row = csv_row(csv, "streaming_llm", std::to_string(budget));
-  CHECK(std::stod(row.at("kl")) == Approx(kl / n).margin(2e-6));
-  CHECK(std::stod(row.at("top1")) == Approx(top1 / n).margin(2e-6));
-  CHECK(std::stod(row.at("nll")) == Approx(nll / n).margin(2e-6));
+  CHECK(std::stod(row.at("kl")) == Approx(kl / static_cast<double>(n)).margin(2e-6));
+  CHECK(std::stod(row.at("top1")) == Approx(top1 / static_cast<double>(n)).margin(2e-6));
+  CHECK(std::stod(row.at("nll")) == Approx(nll / static_cast<double>(n)).margin(2e-6));
   CHECK(std::stoll(row.at("positions")) == n);
   CHECK(std::stod(row.at("gen_prefix")) == static_cast<double>(prefix));
   CHECK(std::stod(row.at("kl")) > 0.0);
   const auto f = csv_row(csv, "full", std::to_string(budget));
   CHECK(std::stod(f.at("kl")) == 0.0);
-  CHECK(std::stod(f.at("nll")) == Approx(full_nll / n).margin(2e-6));
+  CHECK(std::stod(f.at("nll")) == Approx(full_nll / static_cast<double>(n)).margin(2e-6));
   CHECK(std::stod(f.at("gen_prefix")) == static_cast<double>(tokens));
   // The answer file holds the sampled answer.
   CHECK(triattn_test::read_text(dir.path() / "a" / "answers.txt").find(prompt) != std::string::npos);
