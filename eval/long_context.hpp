@@ -138,10 +138,8 @@ struct long_options {
   std::string policies, budgets = "128,256,512";
   std::int64_t tokens = 2048, slack = 64;
   double temperature = 0.7;
-  // llama2c::answer_sampler: without a penalty a 135M model's 2,048-token answers settle into a
-  // loop; 1.1 over 64 tokens still loops, 1.3 over 256 turns the text to noise.
-  float repeat_penalty = 1.2f;
-  int repeat_window = 128;
+  float repeat_penalty = llama2c::answer_sampler::default_penalty;
+  int repeat_window = llama2c::answer_sampler::default_window;
   std::uint64_t seed = 1;
   int threads = 0;
 };

@@ -625,14 +625,14 @@ int calibrate_on_answers(const options& o, const llama2c::text_model& model, con
     throw usage_error{"--temperature \"" + temperature_text + "\" is not a number > 0"};
   const auto seed = static_cast<std::uint64_t>(o.integer("--seed", 0, 1));
   // triattn_eval long's sampler: SmolLM2's long answers loop without the penalty.
-  const std::int64_t repeat_window = o.integer("--repeat-window", 0, 128);
+  const std::int64_t repeat_window = o.integer("--repeat-window", 0, llama2c::answer_sampler::default_window);
   const std::vector<std::uint8_t> allowed = model.non_ending_tokens();
   triattn::query_stats stats = llama2c::calibrate_on_answers(
       model.model(), prompts, static_cast<int>(length), seed, temperature, allowed,
       [](std::size_t done, std::size_t total) {
         progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
       },
-      1.2f, static_cast<int>(repeat_window));
+      llama2c::answer_sampler::default_penalty, static_cast<int>(repeat_window));
   stats.info["model"] = model_path.filename().string();
   stats.info["source"] = prompts_path.filename().string() + ": the model's answers, " + std::to_string(answer) +
                          "+ tokens each, temperature " + temperature_text + ", repetition penalty 1.2 over " +

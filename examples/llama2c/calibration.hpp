@@ -99,6 +99,12 @@ inline int sample_token(std::span<const float> logits, double temperature, std::
 /// `push` records the token the answer goes on with.
 class answer_sampler {
  public:
+  /// The long-answer setting of the examples (calibration, triattn_eval long): without a
+  /// penalty SmolLM2's 2,048-token answers loop; 1.1 over 64 tokens still loops, 1.3 over 256
+  /// turns the text to noise.
+  static constexpr float default_penalty = 1.2f;
+  static constexpr int default_window = 128;
+
   answer_sampler(double temperature, float penalty, int window, std::span<const std::uint8_t> allowed = {})
       : temperature_(temperature), penalty_(penalty), window_(window), allowed_(allowed) {
     TRIATTN_CHECK(penalty >= 1.0f && std::isfinite(penalty) && window >= 0, "llama2c::answer_sampler", "penalty ",
