@@ -96,7 +96,6 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
   const bool beyond = options.budget == triattn::budget_mode::beyond_prompt;
   triattn::protection prot = rule.prot;
   prot.prompt_length = options.protect_prompt || beyond ? prompt_length : 0;
-  const float weight = triattn::row_fold_weight(map.rows());
   std::vector<std::vector<std::int32_t>> decided;
   for (int d = 0; d < map.decisions(); ++d) {
     int l0, h0;
@@ -115,7 +114,7 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
       const float* row = scores + (static_cast<std::int64_t>(l) * g.num_kv_heads + h) * cap;
       for (std::int32_t s = 0; s < n; ++s) {
         float& a = acc[static_cast<std::size_t>(s)];
-        a = triattn::fold_row_score(a, row[s], options.reduction, weight);
+        a = triattn::fold_row_score(a, row[s], options.reduction);
       }
     }
     const std::int64_t k = rule.keep + (beyond ? prompt_slots : 0);

@@ -7,7 +7,7 @@
 //   prompt length) when the prompt is protected or kept beyond the budget;
 //   keep count: the policy's keep, plus the prompt's slots under beyond_prompt;
 //   score: each row scored by the policy's own oracle (its per-row score, given the candidate
-//   mask), folded by the mean (or max) over the decision's rows, in double;
+//   mask), folded by the sum (the mean's order) or the max over the decision's rows, in double;
 //   selection: the protected slots first (the lowest ones when they alone exceed the count),
 //   then the best candidates, ties to the lower slot; ascending.
 //
@@ -113,7 +113,7 @@ round_decision decide(const std::vector<std::pair<int, int>>& rows, const std::v
   for (const auto& [l, h] : rows) {
     const std::vector<double> x = row_score(l, h, candidate);
     for (std::int64_t s = 0; s < n; ++s)
-      d.score[s] = spec.max_reduction ? std::max(d.score[s], x[s]) : d.score[s] + x[s] / static_cast<double>(rows.size());
+      d.score[s] = spec.max_reduction ? std::max(d.score[s], x[s]) : d.score[s] + x[s];
   }
   std::vector<std::int32_t> order;
   for (std::int64_t s = 0; s < n; ++s)

@@ -90,19 +90,19 @@ struct decision_map {
 };
 
 /// Folds row score `x` into the decision's running score `acc`. Start `acc` at
-/// `row_fold_start(r)`; `weight` is 1 / rows() for the mean. Shared by the CPU and CUDA paths,
-/// so a decision's score is the same float on both (rows folded in row order). A NaN row
-/// score never wins the max.
+/// `row_fold_start(r)`. Shared by the CPU and CUDA paths, so a decision's score is the same
+/// float on both (rows folded in row order). A NaN row score never wins the max.
+///
+/// The mean is folded as the rows' sum: its 1 / rows factor orders no slot differently, and
+/// without it equal sums of integer scores (SnapKV's per-q-head ranks) stay exactly equal,
+/// so their tie goes to the lower slot. Summing x / rows instead rounds such ties apart.
 TRIATTN_HOST_DEVICE float row_fold_start(row_reduction r) { return r == row_reduction::max ? -INFINITY : 0.0f; }
-TRIATTN_HOST_DEVICE float fold_row_score(float acc, float x, row_reduction r, float weight) {
+TRIATTN_HOST_DEVICE float fold_row_score(float acc, float x, row_reduction r) {
 #if defined(__CUDA_ARCH__)
-  // Explicit roundings: nvcc would contract the mean into an FMA and differ in the last bit.
-  return r == row_reduction::max ? (x > acc ? x : acc) : __fadd_rn(acc, __fmul_rn(weight, x));
+  return r == row_reduction::max ? (x > acc ? x : acc) : __fadd_rn(acc, x);
 #else
-  return r == row_reduction::max ? (x > acc ? x : acc) : acc + weight * x;
+  return r == row_reduction::max ? (x > acc ? x : acc) : acc + x;
 #endif
 }
-/// The weight of each of `rows` rows in a mean.
-TRIATTN_HOST_DEVICE float row_fold_weight(int rows) { return 1.0f / static_cast<float>(rows); }
 
 TRIATTN_NAMESPACE_END

@@ -175,7 +175,6 @@ keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const 
   protection prot = rule.prot;
   const bool prompt_kept = opts.protect_prompt || opts.budget == budget_mode::beyond_prompt;
   prot.prompt_length = prompt_kept ? ctx.prompt_length : 0;
-  const float weight = row_fold_weight(map.rows());
 
   std::vector<std::vector<std::int32_t>> keep(static_cast<std::size_t>(map.decisions()));
   std::vector<std::int32_t> positions;
@@ -210,7 +209,7 @@ keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const 
         int l, h;
         map.row(d, r, l, h);
         rows.score(l, h, candidate, row);
-        for (std::int32_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction, weight);
+        for (std::int32_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction);
       }
     }
     out = select_keep(acc, positions, prot, k);

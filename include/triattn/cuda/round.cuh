@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(Threads)
   }
   const row_rule rule = sequence_rule(scorer, round, b);
   const std::int64_t prompt_length = round.info(b).prompt_length;
-  const float weight = row_fold_weight(map.rows());
   bool unequal = false;
   int prompt_slots = 0;
   for (int r = 1; r < map.rows() && threadIdx.x == 0; ++r) {
@@ -133,7 +132,7 @@ __global__ void __launch_bounds__(Threads)
       map.row(d, r, l, h);
       unequal = unequal || view.position(l, h, s) != position;
       acc = fold_row_score(acc, scores[((std::int64_t{b} * g.num_layers + l) * g.num_kv_heads + h) * cap + s],
-                           round.reduction, weight);
+                           round.reduction);
     }
     seg_scores[seg * cap + s] = acc;
     seg_positions[seg * cap + s] = position;
