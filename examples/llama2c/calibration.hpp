@@ -12,6 +12,7 @@
 #include <random>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "llama2c/llama2c.hpp"
@@ -150,6 +151,10 @@ inline std::mt19937_64 window_rng(std::uint64_t seed, std::size_t w) {
 /// weights between them, and the statistics do not depend on it.
 inline constexpr int calibration_batch = 8;
 
+/// Threads of the calibration's decoder: every core (the statistics are the same bits at any
+/// thread count).
+inline int calibration_threads() { return std::max(1, static_cast<int>(std::thread::hardware_concurrency())); }
+
 namespace detail {
 
 /// The loop every calibration shares: windows [0, count) of `length` tokens, `batch` of them
@@ -171,7 +176,7 @@ triattn::query_stats calibrate_windows(const model& m, std::size_t count, int le
   TRIATTN_CHECK(!sessions.empty(), api, "no windows");
   const triattn::kv_geometry geo = sessions.front().view().geo;
   triattn::query_stats_accumulator total(geo);
-  batch_decoder decoder(m);
+  batch_decoder decoder(m, calibration_threads());
   for (std::size_t w0 = 0; w0 < count; w0 += sessions.size()) {
     const std::size_t k = std::min(sessions.size(), count - w0);
     std::vector<triattn::query_stats_accumulator> accs(k, triattn::query_stats_accumulator(geo));

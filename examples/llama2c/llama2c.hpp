@@ -14,19 +14,24 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -133,6 +138,7 @@ class model {
     TRIATTN_CHECK(data.size() == m.floats_, "llama2c::model::from_tensors", data.size(), " floats, the config needs ",
                   m.floats_);
     m.data_ = std::move(data);
+    m.pack_matrices();
     return m;
   }
 
@@ -145,8 +151,61 @@ class model {
     return {data_.data() + offset_[i] + static_cast<std::size_t>(layer) * slice_[i], slice_[i]};
   }
 
+  /// Rows of every panel of `panels()`.
+  static constexpr int panel_rows = 16;
+  /// Rows (out) and columns (in) of matrix `t`: wq, wk, wv, wo, w1, w2, w3 or wcls.
+  std::pair<int, int> matrix_shape(tensor t) const {
+    const llama2c::config& c = config_;
+    switch (t) {
+      case tensor::wk:
+      case tensor::wv: return {c.kv_dim, c.dim};
+      case tensor::w1:
+      case tensor::w3: return {c.hidden_dim, c.dim};
+      case tensor::w2: return {c.dim, c.hidden_dim};
+      case tensor::wcls: return {c.vocab_size, c.dim};
+      default: return {c.dim, c.dim};  // wq, wo
+    }
+  }
+  /// Matrix `t` of `layer` as the products read it: panels of `panel_rows` rows, each stored
+  /// column by column ([ceil(rows / 16)][cols][16], the rows past the matrix zero), so that a
+  /// product streams the weights in order and keeps 16 rows in two vector registers.
+  std::span<const float> panels(tensor t, int layer = 0) const {
+    const std::size_t m = matrix_index(t);
+    return {panels_.data() + panel_offset_[m] + static_cast<std::size_t>(layer) * panel_slice_[m], panel_slice_[m]};
+  }
+
  private:
   model() = default;  // only load() and from_tensors() make one
+
+  static constexpr std::array<tensor, 8> matrices{tensor::wq, tensor::wk, tensor::wv, tensor::wo,
+                                                  tensor::w1, tensor::w2, tensor::w3, tensor::wcls};
+  static std::size_t matrix_index(tensor t) {
+    return static_cast<std::size_t>(std::find(matrices.begin(), matrices.end(), t) - matrices.begin());
+  }
+  // Builds panels_ from data_ (after a load).
+  void pack_matrices() {
+    std::size_t at = 0;
+    for (std::size_t m = 0; m < matrices.size(); ++m) {
+      const auto [rows, cols] = matrix_shape(matrices[m]);
+      panel_offset_[m] = at;
+      panel_slice_[m] = static_cast<std::size_t>((rows + panel_rows - 1) / panel_rows) * panel_rows * static_cast<std::size_t>(cols);
+      at += panel_slice_[m] * (matrices[m] == tensor::wcls ? 1 : static_cast<std::size_t>(config_.n_layers));
+    }
+    panels_.assign(at, 0.0f);
+    for (std::size_t m = 0; m < matrices.size(); ++m) {
+      const auto [rows, cols] = matrix_shape(matrices[m]);
+      const int layers = matrices[m] == tensor::wcls ? 1 : config_.n_layers;
+      for (int l = 0; l < layers; ++l) {
+        const float* w = weights(matrices[m], l).data();
+        float* out = panels_.data() + panel_offset_[m] + static_cast<std::size_t>(l) * panel_slice_[m];
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < cols; ++j)
+            out[(static_cast<std::size_t>(i / panel_rows) * static_cast<std::size_t>(cols) + static_cast<std::size_t>(j)) *
+                    panel_rows + static_cast<std::size_t>(i % panel_rows)] =
+                w[static_cast<std::size_t>(i) * static_cast<std::size_t>(cols) + static_cast<std::size_t>(j)];
+      }
+    }
+  }
 
   void set_layout(const tensor_layout& t) {
     std::size_t at = 0;
@@ -163,6 +222,8 @@ class model {
   std::vector<float> data_;                       // every tensor, packed as in the file
   std::array<std::size_t, tensor_count> offset_{};  // first float of each tensor
   std::array<std::size_t, tensor_count> slice_{};   // floats per layer (or in all) of each tensor
+  std::vector<float> panels_;                        // the matrices as panels(), in `matrices` order
+  std::array<std::size_t, matrices.size()> panel_offset_{}, panel_slice_{};
 };
 
 inline model model::load(const std::filesystem::path& path) {
@@ -213,6 +274,7 @@ inline model model::load(const std::filesystem::path& path) {
   in.read(reinterpret_cast<char*>(m.data_.data()), static_cast<std::streamsize>(at * sizeof(float)));
   TRIATTN_CHECK(in.gcount() == static_cast<std::streamsize>(at * sizeof(float)), api, path, ": read ", in.gcount(),
                 " of ", at * sizeof(float), " weight bytes");
+  m.pack_matrices();
   return m;
 }
 
@@ -371,100 +433,93 @@ namespace detail {
 // the runner build with -ffp-contract=off (CMake target triattn_runner), whatever -march.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
 #define LLAMA2C_PRODUCT_CLONES __attribute__((target_clones("avx2", "default")))
+#define LLAMA2C_AVX2_KERNEL 1
 #else
 #define LLAMA2C_PRODUCT_CLONES
 #endif
 
-// Rows of W and sequences of the batch one tile of `matmul` computes: 4 x C accumulators
-// stay in registers while W's 4 rows are read once for all C sequences.
-inline constexpr int tile_rows = 4;
+inline constexpr int panel_rows = model::panel_rows;
 
-// out(s, i) for i in [i0, i0 + rows) (rows <= tile_rows) and s in [s0, s0 + C):
-// Σ_j w[i][j] xt[j][s], each sum in float and in j order. Vectorised across s only.
-template <int C>
-[[gnu::always_inline]] inline void matmul_tile(float* out, const float* w, const float* xt, int rows_total, int cols,
-                                               int n, int i0, int rows, int s0) {
-  float acc[tile_rows][C] = {};
-  const float* wr[tile_rows];
-  for (int r = 0; r < tile_rows; ++r) wr[r] = w + static_cast<std::ptrdiff_t>(i0 + std::min(r, rows - 1)) * cols;
+// Writes a tile's accumulators acc[S][16] (sequence s, panel row r) to out [n, rows], leaving
+// out the rows past the matrix.
+template <int S>
+inline void store_tile(float* out, const float (&acc)[S][panel_rows], int rows, int i0, int s0) {
+  const int valid = std::min(panel_rows, rows - i0);
+  for (int s = 0; s < S; ++s) std::copy_n(acc[s], valid, out + static_cast<std::ptrdiff_t>(s0 + s) * rows + i0);
+}
+
+// out(s, i) = Σ_j w[i][j] x[s][j] for the 16 rows of one panel (from row i0) and the S
+// sequences from s0: each sum in float, a multiply then an add, in j order (run.c's bits, for
+// any S, any tile, any thread).
+template <int S>
+inline void panel_tile(float* out, const float* panel, const float* x, int rows, int cols, int i0, int s0) {
+  float acc[S][panel_rows] = {};
   for (int j = 0; j < cols; ++j) {
-    const float* x = xt + static_cast<std::ptrdiff_t>(j) * n + s0;
-    for (int r = 0; r < tile_rows; ++r) {
-      const float a = wr[r][j];
-      for (int s = 0; s < C; ++s) acc[r][s] += a * x[s];
+    const float* w = panel + static_cast<std::ptrdiff_t>(j) * panel_rows;
+    for (int s = 0; s < S; ++s) {
+      const float a = x[static_cast<std::ptrdiff_t>(s0 + s) * cols + j];
+      for (int r = 0; r < panel_rows; ++r) acc[s][r] += w[r] * a;
     }
   }
-  for (int r = 0; r < rows; ++r)
-    for (int s = 0; s < C; ++s) out[static_cast<std::ptrdiff_t>(s0 + s) * rows_total + i0 + r] = acc[r][s];
+  store_tile<S>(out, acc, rows, i0, s0);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
-#define LLAMA2C_AVX2_KERNEL 1
-// The AVX2 kernel of `matmul`: a tile of R rows x 16 sequences keeps its 2R accumulators in
-// registers (the portable tile's compiler output spills them); the last tile of a batch masks
-// the lanes past `n`. Each lane still computes acc = acc + w[i][j] * x[j][s], a multiply then
-// an add (AVX2 has no fused form, and the runner builds with -ffp-contract=off), in j order:
-// run.c's bits, as the portable tiles give.
-template <int R>
-__attribute__((target("avx2"))) inline void matmul_avx2_tile(float* out, const float* w, const float* xt, int rows,
-                                                             int cols, int n, int i0, int s0) {
-  const int count = std::min(16, n - s0);
-  alignas(32) std::int32_t mask_bits[16];
-  for (int s = 0; s < 16; ++s) mask_bits[s] = s < count ? -1 : 0;
-  const __m256i m0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits));
-  const __m256i m1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits + 8));
-  __m256 acc[R][2];
-  const float* wr[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    wr[r] = w + static_cast<std::ptrdiff_t>(i0 + r) * cols;
-  }
-  const float* x = xt + s0;
-  for (int j = 0; j < cols; ++j, x += n) {
-    const __m256 x0 = _mm256_maskload_ps(x, m0), x1 = _mm256_maskload_ps(x + 8, m1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(wr[r] + j);
-      acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(a, x0));
-      acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(a, x1));
-    }
-  }
-  alignas(32) float lanes[16];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(lanes, acc[r][0]);
-    _mm256_store_ps(lanes + 8, acc[r][1]);
-    for (int s = 0; s < count; ++s) out[static_cast<std::ptrdiff_t>(s0 + s) * rows + i0 + r] = lanes[s];
-  }
-}
-
-__attribute__((target("avx2"))) inline void matmul_avx2(float* out, const float* w, const float* xt, int rows, int cols,
-                                                        int n) {
-  constexpr int R = 6;  // 12 accumulators + 2 inputs + 1 broadcast: 15 of the 16 ymm registers
-  int i0 = 0;
-  for (; i0 + R <= rows; i0 += R)
-    for (int s0 = 0; s0 < n; s0 += 16) matmul_avx2_tile<R>(out, w, xt, rows, cols, n, i0, s0);
-  for (; i0 < rows; ++i0)
-    for (int s0 = 0; s0 < n; s0 += 16) matmul_avx2_tile<1>(out, w, xt, rows, cols, n, i0, s0);
-}
-#endif
-
-// out [n, rows] = x [n, cols] · w [rows, cols]ᵀ for n sequences; `xt` [cols, n] is scratch.
-// Each out(s, i) = Σ_j w[i][j] x[s][j] accumulated in float in j order, as run.c's matvec:
-// the same bits for any n, any tile and any vector width.
-LLAMA2C_PRODUCT_CLONES inline void matmul(float* out, const float* w, const float* x, int rows, int cols, int n,
-                                          float* xt) {
-  for (int s = 0; s < n; ++s)
-    for (int j = 0; j < cols; ++j)
-      xt[static_cast<std::ptrdiff_t>(j) * n + s] = x[static_cast<std::ptrdiff_t>(s) * cols + j];
 #if LLAMA2C_AVX2_KERNEL
-  // Below 8 sequences most lanes would idle: the portable tiles are faster there.
-  if (n >= 8 && __builtin_cpu_supports("avx2")) return matmul_avx2(out, w, xt, rows, cols, n);
-#endif
-  for (int i0 = 0; i0 < rows; i0 += tile_rows) {
-    const int r = std::min(tile_rows, rows - i0);
+// The AVX2 twin of `panel_tile`: the panel's 16 rows in two registers, one broadcast of x per
+// sequence, 2S accumulators in registers (the portable tile's compiler output spills them).
+// Each lane still computes acc = acc + w[i][j] * x[s][j], a multiply then an add (AVX2 has
+// no fused form, and the runner builds with -ffp-contract=off), in j order.
+template <int S>
+__attribute__((target("avx2"))) inline void panel_tile_avx2(float* out, const float* panel, const float* x, int rows,
+                                                            int cols, int i0, int s0) {
+  __m256 acc[S][2];
+  for (int s = 0; s < S; ++s) acc[s][0] = acc[s][1] = _mm256_setzero_ps();
+  const float* xs = x + static_cast<std::ptrdiff_t>(s0) * cols;
+  for (int j = 0; j < cols; ++j) {
+    const float* w = panel + static_cast<std::ptrdiff_t>(j) * panel_rows;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    for (int s = 0; s < S; ++s) {
+      const __m256 a = _mm256_broadcast_ss(xs + static_cast<std::ptrdiff_t>(s) * cols + j);
+      acc[s][0] = _mm256_add_ps(acc[s][0], _mm256_mul_ps(w0, a));
+      acc[s][1] = _mm256_add_ps(acc[s][1], _mm256_mul_ps(w1, a));
+    }
+  }
+  alignas(32) float lanes[S][panel_rows];
+  for (int s = 0; s < S; ++s) {
+    _mm256_store_ps(lanes[s], acc[s][0]);
+    _mm256_store_ps(lanes[s] + 8, acc[s][1]);
+  }
+  store_tile<S>(out, lanes, rows, i0, s0);
+}
+
+__attribute__((target("avx2"))) inline void matmul_panels_avx2(float* out, const float* panels, const float* x,
+                                                               int rows, int cols, int n, int p0, int p1) {
+  for (int p = p0; p < p1; ++p) {
+    const float* panel = panels + static_cast<std::ptrdiff_t>(p) * cols * panel_rows;
+    const int i0 = p * panel_rows;
     int s0 = 0;
-    for (; s0 + 16 <= n; s0 += 16) matmul_tile<16>(out, w, xt, rows, cols, n, i0, r, s0);
-    for (; s0 + 4 <= n; s0 += 4) matmul_tile<4>(out, w, xt, rows, cols, n, i0, r, s0);
-    for (; s0 < n; ++s0) matmul_tile<1>(out, w, xt, rows, cols, n, i0, r, s0);
+    // 6 sequences: 12 accumulators + 2 weights + 1 broadcast of the 16 ymm registers
+    for (; s0 + 6 <= n; s0 += 6) panel_tile_avx2<6>(out, panel, x, rows, cols, i0, s0);
+    if (n - s0 >= 4) panel_tile_avx2<4>(out, panel, x, rows, cols, i0, s0), s0 += 4;
+    if (n - s0 >= 2) panel_tile_avx2<2>(out, panel, x, rows, cols, i0, s0), s0 += 2;
+    if (n - s0 == 1) panel_tile_avx2<1>(out, panel, x, rows, cols, i0, s0);
+  }
+}
+#endif
+
+// out [n, rows] = x [n, cols] · wᵀ for the panels [p0, p1) of w (model::panels): the rows
+// [16 p0, 16 p1) of every sequence. Each out(s, i) = Σ_j w[i][j] x[s][j] accumulated in float
+// in j order, as run.c's matvec: the same bits for any n, any split of the panels, any vector
+// width.
+inline void matmul_panels(float* out, const float* panels, const float* x, int rows, int cols, int n, int p0, int p1) {
+#if LLAMA2C_AVX2_KERNEL
+  if (__builtin_cpu_supports("avx2")) return matmul_panels_avx2(out, panels, x, rows, cols, n, p0, p1);
+#endif
+  for (int p = p0; p < p1; ++p) {
+    const float* panel = panels + static_cast<std::ptrdiff_t>(p) * cols * panel_rows;
+    int s0 = 0;
+    for (; s0 + 4 <= n; s0 += 4) panel_tile<4>(out, panel, x, rows, cols, p * panel_rows, s0);
+    for (; s0 < n; ++s0) panel_tile<1>(out, panel, x, rows, cols, p * panel_rows, s0);
   }
 }
 
@@ -509,14 +564,92 @@ inline void softmax(float* x, std::int64_t n) {
 
 }  // namespace detail
 
+/// A fixed team of threads for one batch's forward: `run(f)` calls f(member) on every member
+/// and returns when all are done. The calling thread is member 0; the others wait between
+/// calls (a short spin, then a futex wait), so a forward's hundreds of calls cost microseconds
+/// each. No thread is started for a team of one.
+class thread_team {
+ public:
+  explicit thread_team(int threads = 1) {
+    TRIATTN_CHECK(threads >= 1 && threads <= 1024, "llama2c::thread_team", "threads ", threads, " must be in [1, 1024]");
+    for (int t = 1; t < threads; ++t) workers_.emplace_back([this, t] { work(t); });
+  }
+  thread_team(const thread_team&) = delete;
+  thread_team& operator=(const thread_team&) = delete;
+  ~thread_team() {
+    stop_ = true;
+    generation_.fetch_add(1);
+    generation_.notify_all();
+    for (std::thread& w : workers_) w.join();
+  }
+
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+  /// f(member) for every member in [0, size()); rethrows the first exception one threw.
+  void run(const std::function<void(int)>& f) {
+    if (workers_.empty()) return f(0);
+    job_ = &f;
+    error_ = nullptr;
+    pending_.store(static_cast<int>(workers_.size()));
+    generation_.fetch_add(1);
+    generation_.notify_all();
+    call(0);
+    for (int spin = 0; pending_.load() != 0; ++spin) {
+      if (spin < spin_limit) continue;
+      const int left = pending_.load();
+      if (left != 0) pending_.wait(left);
+    }
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  /// f(i) for every i in [0, count), item i on member i % size().
+  void for_each(std::size_t count, const std::function<void(std::size_t)>& f) {
+    const auto members = static_cast<std::size_t>(size());
+    run([&](int t) {
+      for (std::size_t i = static_cast<std::size_t>(t); i < count; i += members) f(i);
+    });
+  }
+
+ private:
+  static constexpr int spin_limit = 1 << 14;
+
+  void call(int t) {
+    try {
+      (*job_)(t);
+    } catch (...) {
+      const std::lock_guard lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+  void work(int t) {
+    unsigned seen = 0;
+    for (;;) {
+      for (int spin = 0; generation_.load() == seen; ++spin)
+        if (spin >= spin_limit) generation_.wait(seen);
+      seen = generation_.load();
+      if (stop_) return;
+      call(t);
+      if (pending_.fetch_sub(1) == 1) pending_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::atomic<unsigned> generation_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
+  const std::function<void(int)>* job_ = nullptr;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;
+};
+
 /// Activations of a batch of `n` sequences, row s for sequence s, allocated once and reused.
 struct forward_buffers {
   int n = 0;
   std::vector<float> x, xb, xb2, q, k, v, hb, hb2, logits;  // [n, dim] x4, [n, kv_dim] x2, [n, hidden] x2, [n, vocab]
-  std::vector<float> xt;                                     // [max(dim, hidden), n] matmul scratch
-  std::vector<float> att, row;                               // [capacity], [head_dim]
+  std::vector<std::vector<float>> att, row;                  // per team member: [capacity], [head_dim]
 
-  void reserve(const config& c, int batch, std::int64_t capacity) {
+  void reserve(const config& c, int batch, std::int64_t capacity, int members) {
     const auto b = static_cast<std::size_t>(batch);
     if (batch != n) {
       n = batch;
@@ -526,19 +659,25 @@ struct forward_buffers {
       hb.resize(b * static_cast<std::size_t>(c.hidden_dim));
       hb2.resize(hb.size());
       logits.resize(b * static_cast<std::size_t>(c.vocab_size));
-      xt.resize(b * static_cast<std::size_t>(std::max(c.dim, c.hidden_dim)));
-      row.resize(static_cast<std::size_t>(c.head_dim));
     }
-    if (att.size() < static_cast<std::size_t>(capacity)) att.resize(static_cast<std::size_t>(capacity));
+    att.resize(static_cast<std::size_t>(members));
+    row.resize(att.size());
+    for (std::size_t t = 0; t < att.size(); ++t) {
+      if (att[t].size() < static_cast<std::size_t>(capacity)) att[t].resize(static_cast<std::size_t>(capacity));
+      row[t].resize(static_cast<std::size_t>(c.head_dim));
+    }
   }
 };
 
 class session;
 /// Runs `tokens[s]` through `sessions[s]` for every s, all of model `m`, sharing each read of
-/// the weights; logits land in `b.logits` [n, vocab]. Throws `triattn::error` naming `api`,
-/// with every session unchanged, for a token out of range, a full cache, or another model.
+/// the weights; logits land in `b.logits` [n, vocab] when `logits` (else they are not
+/// computed). The work is split over `team`'s threads: each product by panels of output rows,
+/// the attention by sequences, so every value is computed by one thread exactly as alone.
+/// Throws `triattn::error` naming `api`, with every session unchanged, for a token out of
+/// range, a full cache, or another model.
 inline void forward(const model& m, std::span<session* const> sessions, std::span<const int> tokens,
-                    forward_buffers& b, const char* api);
+                    forward_buffers& b, thread_team& team, bool logits, const char* api);
 
 /// One sequence: its KV cache and the forward pass. The model must outlive the session.
 ///
@@ -559,7 +698,8 @@ class session {
   /// unchanged, when a (layer, kv_head) is full or the token is out of range.
   std::span<const float> forward(int token) {
     session* self = this;
-    llama2c::forward(*model_, {&self, 1}, {&token, 1}, buffers_, "llama2c::session::forward");
+    thread_team solo(1);
+    llama2c::forward(*model_, {&self, 1}, {&token, 1}, buffers_, solo, true, "llama2c::session::forward");
     return buffers_.logits;
   }
 
@@ -603,9 +743,33 @@ class session {
     position_ = 0;
   }
 
+  /// Makes this session a copy of `other` (same model and cache type; its slots must fit this
+  /// capacity): every slot's K, V and position, the lengths and the next position. The
+  /// observer stays. A sequence can thus branch off another where they part.
+  void copy_from(const session& other) {
+    const char* api = "llama2c::session::copy_from";
+    TRIATTN_CHECK(other.model_ == model_ && other.geometry_.type == geometry_.type, api,
+                  "the sessions differ in model or cache type");
+    const std::int32_t longest = *std::max_element(other.lengths_.begin(), other.lengths_.end());
+    TRIATTN_CHECK(longest <= capacity_, api, "the other session holds ", longest, " slots, this one has room for ",
+                  capacity_);
+    // [layers, capacity, kv_heads, head_dim]: a layer's first `longest` slots are one run
+    const std::size_t slot_bytes = static_cast<std::size_t>(cfg_.n_kv_heads) * static_cast<std::size_t>(cfg_.head_dim) *
+                                   triattn::dtype_bytes(geometry_.type);
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      std::memcpy(k_bases_[static_cast<std::size_t>(l)], other.k_bases_[static_cast<std::size_t>(l)], static_cast<std::size_t>(longest) * slot_bytes);
+      std::memcpy(v_bases_[static_cast<std::size_t>(l)], other.v_bases_[static_cast<std::size_t>(l)], static_cast<std::size_t>(longest) * slot_bytes);
+      for (int g = 0; g < cfg_.n_kv_heads; ++g)
+        std::copy_n(other.positions_.begin() + static_cast<std::ptrdiff_t>(other.slot_row(l, g) * static_cast<std::size_t>(other.capacity_)),
+                    other.length(l, g), positions_.begin() + static_cast<std::ptrdiff_t>(slot_row(l, g) * static_cast<std::size_t>(capacity_)));
+    }
+    lengths_ = other.lengths_;
+    position_ = other.position_;
+  }
+
  private:
   friend void forward(const llama2c::model&, std::span<session* const>, std::span<const int>, forward_buffers&,
-                      const char*);
+                      thread_team&, bool, const char*);
 
   std::size_t slot_row(int layer, int kv_head) const {
     return static_cast<std::size_t>(layer) * static_cast<std::size_t>(cfg_.n_kv_heads) +
@@ -669,7 +833,7 @@ inline session::session(const llama2c::model& m, std::int64_t capacity, triattn:
 }
 
 inline void forward(const model& m, std::span<session* const> sessions, std::span<const int> tokens,
-                    forward_buffers& b, const char* api) {
+                    forward_buffers& b, thread_team& team, bool logits, const char* api) {
   const config& c = m.config();
   TRIATTN_CHECK(sessions.size() == tokens.size() && !sessions.empty(), api, sessions.size(), " sessions and ",
                 tokens.size(), " tokens");
@@ -686,13 +850,19 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
     sessions[i]->check_room(api);
     capacity = std::max(capacity, sessions[i]->capacity_);
   }
-  const int n = static_cast<int>(sessions.size());
-  b.reserve(c, n, capacity);
+  const int n = static_cast<int>(sessions.size()), members = team.size();
+  b.reserve(c, n, capacity, members);
 
   const int dim = c.dim, kv_dim = c.kv_dim, hidden = c.hidden_dim, hd = c.head_dim, group = c.n_heads / c.n_kv_heads;
   const auto row = [](std::vector<float>& buf, int s, int width) { return buf.data() + std::ptrdiff_t{s} * width; };
   // run.c divides by sqrtf(head_size); dividing (not multiplying by the reciprocal) keeps its bits.
   const float scale = std::sqrt(static_cast<float>(hd));
+  // out = x · wᵀ for member t's share of the panels of matrix `w` of layer l.
+  const auto product = [&](int t, float* out, tensor w, int l, const float* x) {
+    const auto [rows, cols] = m.matrix_shape(w);
+    const int panels = (rows + model::panel_rows - 1) / model::panel_rows;
+    detail::matmul_panels(out, m.panels(w, l).data(), x, rows, cols, n, panels * t / members, panels * (t + 1) / members);
+  };
   for (int s = 0; s < n; ++s)
     std::copy_n(m.weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(tokens[s]) * dim, dim,
                 row(b.x, s, dim));
@@ -700,12 +870,17 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
   for (int l = 0; l < c.n_layers; ++l) {
     for (int s = 0; s < n; ++s)
       detail::rmsnorm(row(b.xb, s, dim), row(b.x, s, dim), m.weights(tensor::rms_att, l).data(), dim, c.rms_eps);
-    detail::matmul(b.q.data(), m.weights(tensor::wq, l).data(), b.xb.data(), dim, dim, n, b.xt.data());
-    detail::matmul(b.k.data(), m.weights(tensor::wk, l).data(), b.xb.data(), kv_dim, dim, n, b.xt.data());
-    detail::matmul(b.v.data(), m.weights(tensor::wv, l).data(), b.xb.data(), kv_dim, dim, n, b.xt.data());
+    team.run([&](int t) {
+      product(t, b.q.data(), tensor::wq, l, b.xb.data());
+      product(t, b.k.data(), tensor::wk, l, b.xb.data());
+      product(t, b.v.data(), tensor::wv, l, b.xb.data());
+    });
 
-    for (int s = 0; s < n; ++s) {
-      session& se = *sessions[static_cast<std::size_t>(s)];
+    // Attention, a sequence per member at a time (its observer is called from that member only).
+    team.for_each(static_cast<std::size_t>(n), [&](std::size_t si) {
+      const auto s = static_cast<int>(si);
+      const int t = static_cast<int>(si % static_cast<std::size_t>(members));
+      session& se = *sessions[si];
       const triattn::dense_kv_view view = se.view();
       const auto pos = static_cast<std::int32_t>(se.position_);
       float* q_all = row(b.q, s, dim);
@@ -719,24 +894,24 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
         view.position(l, g, slot) = pos;
       }
 
-      // Attention: q-head h reads kv head h / group, over the slots that head holds. An f32
-      // cache is read in place; others are decoded a row at a time.
+      // q-head h reads kv head h / group, over the slots that head holds. An f32 cache is read
+      // in place; others are decoded a row at a time.
       const bool f32 = view.geometry().type == triattn::dtype::f32;
-      float* key = b.row.data();
+      float* key = b.row[static_cast<std::size_t>(t)].data();
       for (int h = 0; h < c.n_heads; ++h) {
         const int g = h / group;
         const std::int32_t len = se.length(l, g);
         const float* q = q_all + h * hd;
-        float* att = b.att.data();
+        float* att = b.att[static_cast<std::size_t>(t)].data();
         if (f32) {
-          detail::attention_logits(q, reinterpret_cast<const float*>(view.key(l, g, 0)),
-                                   view.k_stride.token, hd, len, scale, att);
+          detail::attention_logits(q, reinterpret_cast<const float*>(view.key(l, g, 0)), view.k_stride.token, hd, len,
+                                   scale, att);
         } else {
-          for (std::int32_t t = 0; t < len; ++t) {
-            triattn::load_key(view, l, g, t, key);
+          for (std::int32_t i = 0; i < len; ++i) {
+            triattn::load_key(view, l, g, i, key);
             float dot = 0.0f;
             for (int d = 0; d < hd; ++d) dot += q[d] * key[d];
-            att[t] = dot / scale;
+            att[i] = dot / scale;
           }
         }
         detail::softmax(att, len);
@@ -744,55 +919,73 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
           se.observer_->on_attention(l, h, pos, {q, static_cast<std::size_t>(hd)}, {att, static_cast<std::size_t>(len)});
         float* out = row(b.xb, s, dim) + h * hd;
         std::fill_n(out, hd, 0.0f);
-        for (std::int32_t t = 0; t < len; ++t) {
+        for (std::int32_t i = 0; i < len; ++i) {
           const float* v = key;
-          if (f32) v = reinterpret_cast<const float*>(view.value(l, g, t));
-          else triattn::load_value(view, l, g, t, key);
-          for (int d = 0; d < hd; ++d) out[d] += att[t] * v[d];
+          if (f32) v = reinterpret_cast<const float*>(view.value(l, g, i));
+          else triattn::load_value(view, l, g, i, key);
+          for (int d = 0; d < hd; ++d) out[d] += att[i] * v[d];
         }
       }
-    }
-    detail::matmul(b.xb2.data(), m.weights(tensor::wo, l).data(), b.xb.data(), dim, dim, n, b.xt.data());
+    });
+    team.run([&](int t) { product(t, b.xb2.data(), tensor::wo, l, b.xb.data()); });
     for (std::size_t i = 0; i < b.x.size(); ++i) b.x[i] += b.xb2[i];
 
-    // Feed-forward: w2 (silu(w1 x) * (w3 x)).
+    // Feed-forward: w2 (silu(w1 x) * (w3 x)); each member gates the hidden rows it computed.
     for (int s = 0; s < n; ++s)
       detail::rmsnorm(row(b.xb, s, dim), row(b.x, s, dim), m.weights(tensor::rms_ffn, l).data(), dim, c.rms_eps);
-    detail::matmul(b.hb.data(), m.weights(tensor::w1, l).data(), b.xb.data(), hidden, dim, n, b.xt.data());
-    detail::matmul(b.hb2.data(), m.weights(tensor::w3, l).data(), b.xb.data(), hidden, dim, n, b.xt.data());
-    for (std::size_t i = 0; i < b.hb.size(); ++i) b.hb[i] = b.hb[i] * (1.0f / (1.0f + std::exp(-b.hb[i]))) * b.hb2[i];
-    detail::matmul(b.xb.data(), m.weights(tensor::w2, l).data(), b.hb.data(), dim, hidden, n, b.xt.data());
+    team.run([&](int t) {
+      product(t, b.hb.data(), tensor::w1, l, b.xb.data());
+      product(t, b.hb2.data(), tensor::w3, l, b.xb.data());
+      const int panels = (hidden + model::panel_rows - 1) / model::panel_rows;
+      const int i0 = panels * t / members * model::panel_rows;
+      const int i1 = std::min(hidden, panels * (t + 1) / members * model::panel_rows);
+      for (int s = 0; s < n; ++s) {
+        float* h1 = row(b.hb, s, hidden);
+        const float* h3 = row(b.hb2, s, hidden);
+        for (int i = i0; i < i1; ++i) h1[i] = h1[i] * (1.0f / (1.0f + std::exp(-h1[i]))) * h3[i];
+      }
+    });
+    team.run([&](int t) { product(t, b.xb.data(), tensor::w2, l, b.hb.data()); });
     for (std::size_t i = 0; i < b.x.size(); ++i) b.x[i] += b.xb[i];
   }
-  for (int s = 0; s < n; ++s)
-    detail::rmsnorm(row(b.x, s, dim), row(b.x, s, dim), m.weights(tensor::rms_final).data(), dim, c.rms_eps);
-  detail::matmul(b.logits.data(), m.weights(tensor::wcls).data(), b.x.data(), c.vocab_size, dim, n, b.xt.data());
+  if (logits) {
+    for (int s = 0; s < n; ++s)
+      detail::rmsnorm(row(b.x, s, dim), row(b.x, s, dim), m.weights(tensor::rms_final).data(), dim, c.rms_eps);
+    team.run([&](int t) { product(t, b.logits.data(), tensor::wcls, 0, b.x.data()); });
+  }
   for (session* se : sessions) ++se->position_;
 }
 
 /// Decodes several sessions of one model together: each `step` advances every session by one
-/// token and reads the weights once for all of them (matrix-matrix products). A session's
-/// logits are the same bits as its own `forward` would give.
+/// token and reads the weights once for all of them (matrix-matrix products), split over
+/// `threads` threads. A session's logits are the same bits as its own `forward` would give,
+/// in any batch and at any thread count.
 class batch_decoder {
  public:
-  explicit batch_decoder(const llama2c::model& m) : model_(&m) {}
+  explicit batch_decoder(const llama2c::model& m, int threads = 1) : model_(&m), team_(threads) {}
 
   /// Runs `tokens[s]` through `*sessions[s]` for every s (distinct sessions of this model) and
-  /// returns the logits [n, vocab], row s for session s (valid until the next step). Throws
-  /// `triattn::error`, with every session unchanged, when a token is out of range or a cache full.
-  std::span<const float> step(std::span<session* const> sessions, std::span<const int> tokens) {
-    forward(*model_, sessions, tokens, buffers_, "llama2c::batch_decoder::step");
-    return buffers_.logits;
+  /// returns the logits [n, vocab], row s for session s (valid until the next step); with
+  /// `logits` false (a prefill that reads none) the classifier is skipped and the span is
+  /// empty. Throws `triattn::error`, with every session unchanged, when a token is out of range
+  /// or a cache full.
+  std::span<const float> step(std::span<session* const> sessions, std::span<const int> tokens, bool logits = true) {
+    forward(*model_, sessions, tokens, buffers_, team_, logits, "llama2c::batch_decoder::step");
+    if (!logits) return {};
+    return std::span<const float>(buffers_.logits).first(sessions.size() * static_cast<std::size_t>(model_->config().vocab_size));
   }
   /// Row s of the last step's logits [vocab].
   std::span<const float> logits(int s) const {
     const auto v = static_cast<std::size_t>(model_->config().vocab_size);
     return std::span<const float>(buffers_.logits).subspan(static_cast<std::size_t>(s) * v, v);
   }
+  /// The decoder's threads, for the caller's own per-sequence work between steps.
+  thread_team& team() { return team_; }
 
  private:
   const llama2c::model* model_;
   forward_buffers buffers_;
+  thread_team team_;
 };
 
 /// Index of the largest logit; the first one on ties, as run.c's argmax.

@@ -371,7 +371,8 @@ TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama
   // is compared with the same tokens run alone, logit for logit, bit for bit.
   auto rng = triattn_test::rng();
   const int batch = std::uniform_int_distribution<int>(2, 19)(rng);
-  INFO("batch " << batch);
+  const int threads = std::uniform_int_distribution<int>(1, 3)(rng);  // the products split by panels of rows
+  INFO("batch " << batch << ", threads " << threads);
   std::uniform_int_distribution<int> token(3, 511);
   std::vector<llama2c::session> together, alone;
   std::vector<std::vector<int>> streams;
@@ -384,7 +385,7 @@ TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama
     for (int t = 0; t < start; ++t) together.back().forward(tokens[static_cast<std::size_t>(t)]);  // a head start
     streams.push_back(std::move(tokens));
   }
-  llama2c::batch_decoder decoder(stories());
+  llama2c::batch_decoder decoder(stories(), threads);
   std::vector<llama2c::session*> ptrs;
   for (auto& s : together) ptrs.push_back(&s);
   for (int step = 0; step < 24; ++step) {
@@ -408,6 +409,43 @@ TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama
   CHECK_THAT(load_error([&] { decoder.step(twice, std::vector<int>{5, 5}); }), Contains("session 1 is also session 0"));
   CHECK(together[0].position() == before);
   CHECK(together[0].length(0, 0) == before);
+}
+
+TEST_CASE("a session copied from another goes on with the same bits", "[llama2c][batch]") {
+  auto rng = triattn_test::rng();
+  std::uniform_int_distribution<int> token(3, 511);
+  const int head = std::uniform_int_distribution<int>(4, 30)(rng);
+  INFO("head " << head);
+  llama2c::session a(stories(), 64), b(stories(), head + 10);
+  for (int t = 0; t < head; ++t) a.forward(token(rng));
+  // a compressed source: rows of different lengths
+  llama2c::random_eviction evict(rng());
+  triattn::compress(evict, a.view(), head / 2);
+  b.forward(7);  // whatever b held is replaced
+  b.copy_from(a);
+  CHECK(b.position() == a.position());
+  for (int l = 0; l < stories().config().n_layers; ++l)
+    for (int h = 0; h < stories().config().n_kv_heads; ++h) {
+      REQUIRE(b.length(l, h) == a.length(l, h));
+      for (std::int32_t s = 0; s < a.length(l, h); ++s) CHECK(b.slot_position(l, h, s) == a.slot_position(l, h, s));
+    }
+  for (int t = 0; t < 8; ++t) {
+    const int x = token(rng);
+    const auto za = a.forward(x);
+    const std::vector<float> want(za.begin(), za.end());
+    CHECK(bitwise_equal(b.forward(x), want));
+  }
+  // too small, or another cache type: refused, the session unchanged
+  std::int32_t longest = 0;
+  for (int l = 0; l < stories().config().n_layers; ++l)
+    for (int h = 0; h < stories().config().n_kv_heads; ++h) longest = std::max(longest, a.length(l, h));
+  llama2c::session small(stories(), longest - 1);
+  small.forward(5);
+  CHECK_THAT(load_error([&] { small.copy_from(a); }), Contains("llama2c::session::copy_from") && Contains("room for"));
+  CHECK(small.position() == 1);
+  CHECK(small.length(0, 0) == 1);
+  llama2c::session narrow(stories(), 64, triattn::dtype::f16);
+  CHECK_THAT(load_error([&] { narrow.copy_from(a); }), Contains("cache type"));
 }
 
 TEST_CASE("f16 and bf16 caches decode close to the f32 cache and compress alike", "[llama2c][batch]") {
