@@ -70,6 +70,13 @@ struct compressed_sequence {
   compressed_sequence(const compressed_sequence&) = delete;
   compressed_sequence& operator=(const compressed_sequence&) = delete;
 
+  /// Takes over the trunk's cache where this row parts from it (see `trunk_observer`).
+  void branch_from(const llama2c::session& trunk) {
+    session.copy_from(trunk);
+    branched = true;
+  }
+  bool branched = false;  ///< decoded on its own (else it still rides the trunk)
+
   /// A round when the policy's schedule says so; `prompt_length` tokens are the prompt.
   void maybe_compress(std::int64_t prompt_length) {
     peak = std::max(peak, session.kv_bytes());
@@ -87,6 +94,28 @@ struct compressed_sequence {
     triattn::compress(policy, v, budget, triattn::round_context{session.position(), 0});
     compressed = true;
   }
+};
+
+/// The full-cache trunk that compressed rows ride until their first round. Until then a row
+/// computes exactly what the full cache does (the same tokens through the same cache: the same
+/// bits), so it is not decoded at all: its policy is fed the full cache's attention, and at its
+/// first round it takes a copy of the full cache (`compressed_sequence::branch_from`). A row
+/// that first compresses at budget B saves the B + slack steps before it.
+class trunk_observer final : public llama2c::observer {
+ public:
+  void ride(compressed_sequence& s) { riders_.push_back(&s); }
+  /// Branches `s` off `trunk` and stops feeding it.
+  void branch(compressed_sequence& s, const llama2c::session& trunk) {
+    s.branch_from(trunk);
+    riders_.erase(std::find(riders_.begin(), riders_.end(), &s));
+  }
+  void on_attention(int layer, int q_head, std::int32_t position, std::span<const float> q_post_rope,
+                    std::span<const float> probs) override {
+    for (compressed_sequence* s : riders_) s->feed.on_attention(layer, q_head, position, q_post_rope, probs);
+  }
+
+ private:
+  std::vector<compressed_sequence*> riders_;
 };
 
 /// The fraction of the n-grams of `tokens` that are distinct (1 for a text that never
@@ -160,13 +189,14 @@ struct long_prompt_result {
   double distinct4 = 0.0;
 };
 
-/// Prompt `index` with the rows [first, last) (row j: policy j / budgets, budget j % budgets)
-/// beside the full cache; the other rows of the result stay empty. Any split of the rows gives
-/// the same numbers: every sequence's logits are the same bits in any batch.
+/// Prompt `index` with every row (row j: policy j / budgets, budget j % budgets) beside the
+/// full cache, in one batch on `decoder`'s threads. The numbers do not depend on the thread
+/// count: every sequence's logits are the same bits in any batch, and each row's sums are
+/// added in step order by one thread.
 inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const std::string& prompt_text,
                                           std::size_t index, const long_options& o, const policy_set& ps,
-                                          const std::vector<std::int64_t>& budgets, std::size_t first,
-                                          std::size_t last, progress_bar& bar) {
+                                          const std::vector<std::int64_t>& budgets, llama2c::batch_decoder& decoder,
+                                          progress_bar& bar) {
   const llama2c::model& m = tm.model();
   const std::vector<int> prompt = tm.chat(prompt_text);
   const auto P = static_cast<std::int64_t>(prompt.size()), T = o.tokens;
@@ -176,14 +206,17 @@ inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const s
   const triattn::schedule sched = triattn::schedule::with_slack(o.slack);
 
   llama2c::session full(m, P + T);
-  std::deque<compressed_sequence> seqs;  // rows [first, last)
-  for (std::size_t j = first; j < last; ++j) {
+  trunk_observer trunk;
+  full.set_observer(&trunk);
+  std::deque<compressed_sequence> seqs;  // row j
+  for (std::size_t j = 0; j < rows; ++j) {
     const std::size_t p = j / B, b = j % B;
     std::optional<llama2c::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, index), sched);
-    seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]);
+    trunk.ride(seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]));
   }
   // Every row of a budget first compresses on the same step (the shared slack trigger on a
-  // cache that has grown one token a step): the full cache's NLL is summed from the next one.
+  // cache that has grown one token a step): it branches off the trunk there, and the full
+  // cache's NLL is summed from the next step.
   std::vector<std::int64_t> first_round(B, P + T);
   for (std::size_t b = 0; b < B; ++b)
     for (std::int64_t t = 0; t < P + T; ++t)
@@ -191,8 +224,6 @@ inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const s
         first_round[b] = t;
         break;
       }
-  std::vector<llama2c::session*> batch{&full};
-  for (compressed_sequence& s : seqs) batch.push_back(&s.session);
 
   long_prompt_result r;
   r.rows.assign(rows, {});
@@ -202,21 +233,27 @@ inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const s
   r.prompt_tokens = P;
   std::mt19937_64 rng = llama2c::window_rng(o.seed, index);
   llama2c::answer_sampler sampler(o.temperature, o.repeat_penalty, o.repeat_window, allowed);
-  llama2c::batch_decoder decoder(m);
-  std::vector<int> tokens(batch.size(), prompt[0]);
+  std::vector<llama2c::session*> batch;
+  std::vector<std::size_t> batch_rows;  // the row of batch entry k + 1
+  std::vector<int> tokens;
   std::vector<double> logp(V), prob(V);
-  std::vector<char> scored(rows);
+  int next = prompt[0];
   for (std::int64_t t = 0; t + 1 < P + T; ++t) {
-    for (std::size_t j = first; j < last; ++j) {
-      scored[j] = seqs[j - first].compressed;  // compressed before this forward
-      TRIATTN_CHECK(static_cast<bool>(scored[j]) == (t > first_round[j % B]), "triattn_eval long", "row ", j,
+    batch.assign(1, &full);
+    batch_rows.clear();
+    for (std::size_t j = 0; j < rows; ++j) {
+      TRIATTN_CHECK(seqs[j].compressed == (t > first_round[j % B]), "triattn_eval long", "row ", j,
                     " first compressed at another step than its budget's trigger");
+      if (seqs[j].branched) {
+        batch.push_back(&seqs[j].session);
+        batch_rows.push_back(j);
+      }
     }
+    tokens.assign(batch.size(), next);
     decoder.step(batch, tokens);
-    int next;
     if (t + 1 < P) {
       next = prompt[static_cast<std::size_t>(t + 1)];
-    } else {  // this step predicts answer token a
+    } else {  // this step predicts answer token a; the rows riding the trunk are not scored yet
       const std::int64_t a = t + 1 - P;
       const std::span<const float> ref = decoder.logits(0);
       const double u = llama2c::uniform_draw(rng);
@@ -228,20 +265,20 @@ inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const s
         prob[i] = std::exp(logp[i]);
       }
       const int top = llama2c::argmax(ref);
-      for (std::size_t j = first; j < last; ++j) {
-        const std::span<const float> z = decoder.logits(static_cast<int>(j - first + 1));
-        if (scored[j]) {
-          const double lq = log_sum_exp(z);
-          double kl = 0.0;
-          for (std::size_t i = 0; i < V; ++i) kl += prob[i] * (logp[i] - (z[i] - lq));
-          position_sums& s = r.rows[j];
-          s.kl += kl;
-          s.top1 += llama2c::argmax(z) == top ? 1.0 : 0.0;
-          s.nll += lq - z[static_cast<std::size_t>(next)];
-          ++s.n;
-        }
-        if (r.prefix[j] < 0 && sampler.draw(z, u) != next) r.prefix[j] = a;  // the reference's history until now
-      }
+      decoder.team().for_each(batch_rows.size(), [&](std::size_t k) {
+        const std::span<const float> z = decoder.logits(static_cast<int>(k + 1));
+        const double lq = log_sum_exp(z);
+        double kl = 0.0;
+        for (std::size_t i = 0; i < V; ++i) kl += prob[i] * (logp[i] - (z[i] - lq));
+        position_sums& s = r.rows[batch_rows[k]];
+        s.kl += kl;
+        s.top1 += llama2c::argmax(z) == top ? 1.0 : 0.0;
+        s.nll += lq - z[static_cast<std::size_t>(next)];
+        ++s.n;
+      });
+      for (std::size_t k = 0; k < batch_rows.size(); ++k)  // the reference's history until now
+        if (const std::size_t j = batch_rows[k]; r.prefix[j] < 0 && sampler.draw(decoder.logits(static_cast<int>(k + 1)), u) != next)
+          r.prefix[j] = a;
       sampler.push(next);
       for (std::size_t b = 0; b < B; ++b)
         if (t > first_round[b]) {
@@ -249,14 +286,20 @@ inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const s
           ++r.full[b].n;
         }
     }
-    std::fill(tokens.begin(), tokens.end(), next);
-    for (compressed_sequence& s : seqs) s.maybe_compress(P);
+    for (std::size_t j = 0; j < rows; ++j) {
+      if (seqs[j].branched) continue;
+      seqs[j].peak = std::max(seqs[j].peak, full.kv_bytes());  // a rider holds what the trunk holds
+      if (t == first_round[j % B]) trunk.branch(seqs[j], full);
+    }
+    decoder.team().for_each(rows, [&](std::size_t j) {
+      if (seqs[j].branched) seqs[j].maybe_compress(P);
+    });
     r.full_peak = std::max(r.full_peak, full.kv_bytes());
     bar.add(1);
   }
-  for (std::size_t j = first; j < last; ++j) {
+  for (std::size_t j = 0; j < rows; ++j) {
     if (r.prefix[j] < 0) r.prefix[j] = T;
-    r.peak[j] = seqs[j - first].peak;
+    r.peak[j] = seqs[j].peak;
   }
   r.distinct4 = distinct_ngrams(r.answer, 4);
   return r;
@@ -302,34 +345,16 @@ inline int run_long(int argc, char** argv) {
                prompts.size(), static_cast<long long>(o.tokens), ps.policies.size(), budgets.size(),
                static_cast<long long>(o.slack), threads);
 
-  // Each prompt's rows split in `parts` batches (each with its own full cache) so that the
-  // tasks fill every thread: threads / gcd(prompts, threads) parts.
-  const std::size_t B = budgets.size(), N = prompts.size(), rows = ps.policies.size() * B;
-  const std::size_t parts = std::min(rows, static_cast<std::size_t>(threads) / std::gcd(N, static_cast<std::size_t>(threads)));
-  std::vector<long_prompt_result> pieces(N * parts);
+  // One batch a prompt (the full cache and every row), the prompts in turn, each step's work
+  // split over the threads.
+  const std::size_t B = budgets.size(), N = prompts.size();
   std::int64_t total = 0;
-  for (const std::string& p : prompts)
-    total += (static_cast<std::int64_t>(tm.chat(p).size()) + o.tokens - 1) * static_cast<std::int64_t>(parts);
+  for (const std::string& p : prompts) total += static_cast<std::int64_t>(tm.chat(p).size()) + o.tokens - 1;
   progress_bar bar("triattn_eval long", total);
-  parallel_tasks(N * parts, threads, [&](std::size_t task) {
-    const std::size_t i = task / parts, k = task % parts;
-    pieces[task] = run_long_prompt(tm, prompts[i], i, o, ps, budgets, rows * k / parts, rows * (k + 1) / parts, bar);
-  });
-  std::fputc('\n', stderr);
+  llama2c::batch_decoder decoder(tm.model(), threads);
   std::vector<long_prompt_result> results;
-  for (std::size_t i = 0; i < N; ++i) {
-    long_prompt_result r = std::move(pieces[i * parts]);
-    for (std::size_t k = 1; k < parts; ++k) {
-      const long_prompt_result& q = pieces[i * parts + k];
-      TRIATTN_CHECK(q.answer == r.answer, api, "prompt ", i, ": part ", k, " sampled another answer");
-      for (std::size_t j = rows * k / parts; j < rows * (k + 1) / parts; ++j) {
-        r.rows[j] = q.rows[j];
-        r.prefix[j] = q.prefix[j];
-        r.peak[j] = q.peak[j];
-      }
-    }
-    results.push_back(std::move(r));
-  }
+  for (std::size_t i = 0; i < N; ++i) results.push_back(run_long_prompt(tm, prompts[i], i, o, ps, budgets, decoder, bar));
+  std::fputc('\n', stderr);
 
   // Per (row, prompt) means, then mean and standard error across prompts.
   std::ostringstream csv, per, md, answers;
@@ -480,48 +505,110 @@ struct passkey_answer {
   bool correct = false;
 };
 
-/// Sample `s` with the full cache and the rows [first, last) (row j: policy j / fractions,
-/// fraction j % fractions) in one batch. Returns the answers [1 + rows], full first; the rows
-/// outside the range stay empty. `index` seeds the rows that draw.
-inline std::vector<passkey_answer> run_passkey_sample(const llama2c::text_model& tm, const passkey_sample& s,
-                                                      const passkey_options& o, const policy_set& ps,
-                                                      const std::vector<double>& fractions, std::size_t first,
-                                                      std::size_t last, std::size_t index, progress_bar& bar) {
+/// The samples `samples` (one context length), each with the full cache and every row (row j:
+/// policy j / fractions, fraction j % fractions), all in one batch on `decoder`'s threads.
+/// Returns the answers [sample][1 + rows], the full cache's first. A row rides its sample's
+/// full cache (`trunk_observer`) until the first round that cuts it, so a row whose budget
+/// covers the context is the full cache. `first_index` seeds the rows that draw.
+inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2c::text_model& tm,
+                                                                    std::span<const passkey_sample> samples,
+                                                                    std::size_t first_index, const passkey_options& o,
+                                                                    const policy_set& ps,
+                                                                    const std::vector<double>& fractions,
+                                                                    llama2c::batch_decoder& decoder, progress_bar& bar) {
   const llama2c::model& m = tm.model();
-  const std::size_t F = fractions.size();
-  const std::size_t prompt = s.prefill.size() + s.question.size();
-  const auto length = static_cast<std::int64_t>(prompt) + o.answer_tokens;
-  llama2c::session full(m, length);
-  std::deque<compressed_sequence> seqs;  // rows [first, last)
-  std::vector<llama2c::session*> batch{&full};
-  for (std::size_t j = first; j < last; ++j) {
-    const std::int64_t budget = std::max<std::int64_t>(1, std::llround(fractions[j % F] * static_cast<double>(s.context)));
-    std::optional<llama2c::any_policy> pol =
-        ps.policies[j / F].make(ps.stats_ptr(), row_seed(j, index), triattn::schedule::every_step());
-    compressed_sequence& c = seqs.emplace_back(
-        m, std::min(length, budget + o.chunk + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
-        std::move(*pol), budget);
-    batch.push_back(&c.session);
+  const std::size_t F = fractions.size(), rows = ps.policies.size() * F, S = samples.size();
+  struct sample_state {
+    llama2c::session full;
+    trunk_observer trunk;
+    std::deque<compressed_sequence> seqs;  // row j
+    std::vector<std::vector<int>> answers;  // [1 + rows]
+    std::size_t prompt = 0, steps = 0;      // prompt tokens; forward steps
+    sample_state(const llama2c::model& m, std::int64_t length) : full(m, length) {}
+  };
+  std::deque<sample_state> st;
+  for (std::size_t i = 0; i < S; ++i) {
+    const passkey_sample& s = samples[i];
+    const std::size_t prompt = s.prefill.size() + s.question.size();
+    const auto length = static_cast<std::int64_t>(prompt) + o.answer_tokens;
+    sample_state& x = st.emplace_back(m, length);
+    x.full.set_observer(&x.trunk);
+    x.prompt = prompt;
+    x.steps = prompt + static_cast<std::size_t>(o.answer_tokens) - 1;
+    x.answers.resize(1 + rows);
+    for (std::size_t j = 0; j < rows; ++j) {
+      const std::int64_t budget = std::max<std::int64_t>(1, std::llround(fractions[j % F] * static_cast<double>(s.context)));
+      std::optional<llama2c::any_policy> pol =
+          ps.policies[j / F].make(ps.stats_ptr(), row_seed(j, first_index + i), triattn::schedule::every_step());
+      x.trunk.ride(x.seqs.emplace_back(
+          m, std::min(length, budget + o.chunk + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
+          std::move(*pol), budget));
+    }
   }
-  llama2c::batch_decoder decoder(m);
-  std::vector<std::vector<int>> answers(batch.size());
-  std::vector<int> tokens(batch.size());
-  for (std::size_t t = 0; t + 1 < prompt + static_cast<std::size_t>(o.answer_tokens); ++t) {
-    for (std::size_t k = 0; k < batch.size(); ++k)
-      tokens[k] = t < s.prefill.size() ? s.prefill[t] : t < prompt ? s.question[t - s.prefill.size()] : answers[k].back();
-    decoder.step(batch, tokens);
-    if (t + 1 >= prompt)
-      for (std::size_t k = 0; k < batch.size(); ++k) answers[k].push_back(llama2c::argmax(decoder.logits(static_cast<int>(k))));
-    if (t + 1 <= s.prefill.size() && ((t + 1) % static_cast<std::size_t>(o.chunk) == 0 || t + 1 == s.prefill.size()))
-      for (compressed_sequence& c : seqs) c.compress_to_budget();  // a round after every chunk of the prefill
-    bar.add(1);
+  std::size_t steps = 0;
+  for (const sample_state& x : st) steps = std::max(steps, x.steps);
+  std::vector<llama2c::session*> batch;
+  std::vector<std::pair<std::size_t, std::size_t>> who;  // batch entry -> (sample, 0 for full or 1 + row)
+  std::vector<int> tokens;
+  std::vector<compressed_sequence*> rounds;
+  for (std::size_t t = 0; t < steps; ++t) {
+    batch.clear();
+    who.clear();
+    tokens.clear();
+    bool answering = false;
+    for (std::size_t i = 0; i < S; ++i) {
+      sample_state& x = st[i];
+      if (t >= x.steps) continue;
+      const passkey_sample& s = samples[i];
+      const auto token = [&](std::size_t k) {
+        return t < s.prefill.size() ? s.prefill[t] : t < x.prompt ? s.question[t - s.prefill.size()] : x.answers[k].back();
+      };
+      answering |= t + 1 >= x.prompt;
+      batch.push_back(&x.full);
+      who.emplace_back(i, 0);
+      tokens.push_back(token(0));
+      for (std::size_t j = 0; j < rows; ++j)
+        if (x.seqs[j].branched) {
+          batch.push_back(&x.seqs[j].session);
+          who.emplace_back(i, 1 + j);
+          tokens.push_back(token(1 + j));
+        }
+    }
+    decoder.step(batch, tokens, answering);  // the prefill reads no logits
+    for (std::size_t k = 0; k < batch.size(); ++k) {
+      const auto [i, r] = who[k];
+      sample_state& x = st[i];
+      if (t + 1 < x.prompt) continue;
+      const int next = llama2c::argmax(decoder.logits(static_cast<int>(k)));
+      x.answers[r].push_back(next);
+      if (r == 0)  // the rows still on the trunk answer as the full cache does
+        for (std::size_t j = 0; j < rows; ++j)
+          if (!x.seqs[j].branched) x.answers[1 + j].push_back(next);
+    }
+    // A round after every chunk of the prefill; a row leaves the trunk at the first that cuts it.
+    rounds.clear();
+    for (std::size_t i = 0; i < S; ++i) {
+      sample_state& x = st[i];
+      const std::size_t prefill = samples[i].prefill.size();
+      if (t >= x.steps || t + 1 > prefill || ((t + 1) % static_cast<std::size_t>(o.chunk) != 0 && t + 1 != prefill)) continue;
+      std::int32_t longest = 0;
+      for (int l = 0; l < m.config().n_layers; ++l)
+        for (int h = 0; h < m.config().n_kv_heads; ++h) longest = std::max(longest, x.full.length(l, h));
+      for (compressed_sequence& c : x.seqs) {
+        if (!c.branched && longest > c.budget) x.trunk.branch(c, x.full);
+        if (c.branched) rounds.push_back(&c);
+      }
+    }
+    decoder.team().for_each(rounds.size(), [&](std::size_t k) { rounds[k]->compress_to_budget(); });
+    bar.add(static_cast<std::int64_t>(S));
   }
-  std::vector<passkey_answer> out(1 + ps.policies.size() * F);
-  for (std::size_t k = 0; k < batch.size(); ++k) {
-    passkey_answer& a = out[k == 0 ? 0 : 1 + first + k - 1];
-    a.text = tm.decode(answers[k]);
-    a.correct = first_number(a.text) == std::to_string(s.key);
-  }
+  std::vector<std::vector<passkey_answer>> out(S, std::vector<passkey_answer>(1 + rows));
+  for (std::size_t i = 0; i < S; ++i)
+    for (std::size_t r = 0; r <= rows; ++r) {
+      passkey_answer& a = out[i][r];
+      a.text = tm.decode(st[i].answers[r]);
+      a.correct = first_number(a.text) == std::to_string(samples[i].key);
+    }
   return out;
 }
 
@@ -556,37 +643,32 @@ inline int run_passkey(int argc, char** argv) {
   const llama2c::text_model tm = llama2c::text_model::load(o.model, "", api);
   const policy_set ps(o.policies, o.stats);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  // Tasks: each sample's rows split in `parts` batches (each with its own full cache) so that
-  // the tasks fill every thread: threads / gcd(samples, threads) parts.
+  // One batch a context length (its samples, each with the full cache and every row), the
+  // contexts in turn, each step's work split over the threads.
   std::vector<passkey_sample> all;
   for (const std::int64_t c : contexts)
     for (const double d : depths)
       for (int t = 0; t < o.trials; ++t) all.push_back(make_passkey(tm, c, d, t, o.seed));
-  const std::size_t F = fractions.size(), rows = ps.policies.size() * F, S = all.size();
-  const std::size_t parts = std::max<std::size_t>(
-      1, std::min(rows, static_cast<std::size_t>(threads) / std::gcd(S, static_cast<std::size_t>(threads))));
+  const std::size_t F = fractions.size(), S = all.size();
   std::int64_t total = 0;
-  for (const passkey_sample& x : all)
-    total += static_cast<std::int64_t>(parts * (x.prefill.size() + x.question.size() + static_cast<std::size_t>(o.answer_tokens) - 1));
+  for (std::size_t c = 0; c < contexts.size(); ++c) {
+    std::size_t longest = 0;
+    for (std::size_t i = c * depths.size() * static_cast<std::size_t>(o.trials); i < (c + 1) * depths.size() * static_cast<std::size_t>(o.trials); ++i)
+      longest = std::max(longest, all[i].prefill.size() + all[i].question.size() + static_cast<std::size_t>(o.answer_tokens) - 1);
+    total += static_cast<std::int64_t>(longest * depths.size() * static_cast<std::size_t>(o.trials));
+  }
   std::fprintf(stderr, "triattn_eval passkey: %zu samples, %zu rows x %zu fractions, chunks of %d, %d threads\n", S,
                ps.policies.size(), F, o.chunk, threads);
   progress_bar bar("triattn_eval passkey", total);
-  std::vector<std::vector<passkey_answer>> pieces(S * parts);
-  parallel_tasks(S * parts, threads, [&](std::size_t task) {
-    const std::size_t i = task / parts, k = task % parts;
-    pieces[task] = run_passkey_sample(tm, all[i], o, ps, fractions, rows * k / parts, rows * (k + 1) / parts, i, bar);
-  });
-  std::fputc('\n', stderr);
+  llama2c::batch_decoder decoder(tm.model(), threads);
   std::vector<std::vector<passkey_answer>> results;  // [sample][1 + row]
-  for (std::size_t i = 0; i < S; ++i) {
-    std::vector<passkey_answer> r = std::move(pieces[i * parts]);
-    for (std::size_t k = 1; k < parts; ++k) {
-      TRIATTN_CHECK(pieces[i * parts + k][0].text == r[0].text, api, "sample ", i, ": part ", k,
-                    " gave the full cache another answer");
-      for (std::size_t j = rows * k / parts; j < rows * (k + 1) / parts; ++j) r[1 + j] = pieces[i * parts + k][1 + j];
-    }
-    results.push_back(std::move(r));
+  const std::size_t per_context = depths.size() * static_cast<std::size_t>(o.trials);
+  for (std::size_t c = 0; c < contexts.size(); ++c) {
+    auto part = run_passkey_context(tm, std::span(all).subspan(c * per_context, per_context), c * per_context, o, ps,
+                                    fractions, decoder, bar);
+    for (auto& r : part) results.push_back(std::move(r));
   }
+  std::fputc('\n', stderr);
 
   // Accuracy per (row, fraction, context) and over the contexts; SE of a proportion.
   std::ostringstream csv, samples, md;

@@ -1,22 +1,27 @@
 // triattn_eval's long-context regimes on SmolLM2, run as users run them (eval/long_context.hpp):
 // - `long`: the CSV equals an independent computation written here, one sequence at a time
-//   with the plain session API: the reference answer sampled step by step, a compressed
+//   with the plain session API, for StreamingLLM, H2O and SnapKV at two budgets: the
+//   reference answer sampled step by step, a compressed
 //   sequence teacher-forced along it (KL, top-1, NLL), and a second compressed sequence that
 //   really runs free (its own tokens, the same uniforms), whose matching prefix must be the
 //   CSV's gen_prefix; two runs (1 and 2 threads) give byte-identical files;
-// - `passkey`: the prompt holds the key at the asked depth, the full cache finds it, and the
-//   accuracy table agrees with the per-sample answers;
+// - `passkey`: the prompt holds the key at the asked depth, the full cache finds it, the
+//   accuracy table agrees with the per-sample answers, and every answer (full cache, H2O and
+//   SnapKV at two budgets, two samples in one batch) is that of the sequence decoded alone;
 // - `triattn calibrate --prompts`: the same statistics as llama2c::calibrate_on_answers.
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <deque>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "long_context.hpp"
 #include "llama2c/calibration.hpp"
 #include "llama2c/policies.hpp"
 #include "llama2c/text_model.hpp"
@@ -68,15 +73,33 @@ double log_sum_exp(std::span<const float> z) {
   return m + std::log(s);
 }
 
+/// One compressed sequence of the oracle: its session, its policy and the policy's feed.
+struct oracle_sequence {
+  llama2c::session session;
+  llama2c::any_policy policy;
+  llama2c::policy_observer feed;
+  oracle_sequence(const llama2c::model& m, std::int64_t capacity, llama2c::any_policy p)
+      : session(m, capacity), policy(std::move(p)), feed(policy) {
+    policy.attach(session.view());
+    session.set_observer(&feed);
+  }
+  oracle_sequence(const oracle_sequence&) = delete;  // the session and the feed point into it
+  oracle_sequence& operator=(const oracle_sequence&) = delete;
+};
+
 TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, and deterministic", "[eval][gguf]") {
   cli::scratch_dir dir("long_context");
   const std::string prompt = "Tell me a short story about a cat who learns to swim.";
   write_text(dir.path() / "prompts.txt", "# a comment line\n\n" + prompt + "\n");
-  const std::int64_t tokens = 40, budget = 24, slack = 8;
+  // Policies that read nothing, the attention (H2O) and the recent queries (SnapKV); two budgets
+  // whose first rounds fall on different steps, so that rows leave the full-cache trunk apart.
+  const std::vector<std::string> policies{"streaming_llm", "h2o", "snapkv"};
+  const std::int64_t tokens = 40, slack = 8;
+  const std::vector<std::int64_t> budgets{24, 56};
   const auto run = [&](const char* threads, const fs::path& out) {
     const cli::result r = cli::run_cli(dir, {"long", "--model", gguf_path.string(), "--prompts",
                                              (dir.path() / "prompts.txt").string(), "--policies",
-                                             "full,streaming_llm,window", "--budgets", std::to_string(budget),
+                                             "full,streaming_llm,h2o,snapkv,window", "--budgets", "24,56",
                                              "--tokens", std::to_string(tokens), "--slack", std::to_string(slack),
                                              "--threads", threads, "--out", out.string()});
     INFO("stderr: " << r.err);
@@ -87,77 +110,120 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
   for (const char* f : {"long.csv", "long_prompts.csv", "answers.txt"})
     CHECK(triattn_test::read_text(dir.path() / "a" / f) == triattn_test::read_text(dir.path() / "b" / f));
   const auto csv = read_csv(dir.path() / "a" / "long.csv");
-  REQUIRE(csv.size() == 4);  // header, full, streaming_llm, window
+  REQUIRE(csv.size() == 11);  // header, (full, streaming_llm, h2o, snapkv, window) x 2 budgets
 
-  // The oracle: sampled reference, a teacher-forced and a free-running StreamingLLM sequence.
+  // The oracle, per policy and budget: the sampled reference, a teacher-forced and a
+  // free-running compressed sequence, each decoding its own tokens from the first one through
+  // its own cache (no trunk). They step together through a batch_decoder only for speed: a
+  // sequence's logits are the same bits alone or in a batch (test_llama2c).
   const llama2c::text_model tm = llama2c::text_model::load(gguf_path, "");
   const llama2c::model& m = tm.model();
   const std::vector<int> p = tm.chat(prompt);
   const auto P = static_cast<std::int64_t>(p.size());
   const std::vector<std::uint8_t> allowed = tm.non_ending_tokens();
   const triattn::schedule sched = triattn::schedule::with_slack(slack);
-  const auto make = [&] { return *llama2c::find_policy("streaming_llm")->create({nullptr, sched}); };
-  llama2c::session full(m, P + tokens), forced(m, budget + slack), free_run(m, budget + slack);
-  llama2c::any_policy forced_policy = make(), free_policy = make();
-  std::mt19937_64 rng = llama2c::window_rng(1, 0);  // seed 1 (the default), prompt 0
-  llama2c::answer_sampler reference(0.7, 1.2f, 128, allowed), own(0.7, 1.2f, 128, allowed);  // the defaults
-  double kl = 0, top1 = 0, nll = 0, full_nll = 0;
-  std::int64_t n = 0, prefix = -1;
-  int ref_token = p[0], free_token = p[0];
-  bool forced_compressed = false;
+  struct config_run {
+    std::string name;
+    std::int64_t budget;
+    oracle_sequence forced, free_run;
+    llama2c::answer_sampler own;
+    double kl = 0, top1 = 0, nll = 0, full_nll = 0;
+    std::int64_t n = 0, prefix = -1;
+    int free_token;
+    bool forced_compressed = false;
+    config_run(const llama2c::model& m, const std::string& policy, std::int64_t b, std::int64_t capacity,
+               const triattn::schedule& sched, std::span<const std::uint8_t> allowed, int first)
+        : name(policy),
+          budget(b),
+          forced(m, capacity, *llama2c::find_policy(policy)->create({nullptr, sched})),
+          free_run(m, capacity, *llama2c::find_policy(policy)->create({nullptr, sched})),
+          own(0.7, 1.2f, 128, allowed),  // the defaults
+          free_token(first) {}
+  };
+  std::deque<config_run> runs;
+  for (const std::string& name : policies)
+    for (const std::int64_t budget : budgets) runs.emplace_back(m, name, budget, budget + slack, sched, allowed, p[0]);
+  llama2c::session full(m, P + tokens);
+  llama2c::batch_decoder decoder(m);
+  std::mt19937_64 rng = llama2c::window_rng(1, 0);                   // seed 1 (the default), prompt 0
+  llama2c::answer_sampler reference(0.7, 1.2f, 128, allowed);        // the defaults
+  int ref_token = p[0];
   for (std::int64_t t = 0; t + 1 < P + tokens; ++t) {
-    const bool scored = forced_compressed;
-    const auto ref = full.forward(ref_token);
-    const std::vector<float> ref_logits(ref.begin(), ref.end());
-    const auto z = forced.forward(ref_token);
-    const std::vector<float> forced_logits(z.begin(), z.end());
-    std::vector<float> free_logits;
-    if (prefix < 0) {
-      const auto f = free_run.forward(free_token);
-      free_logits.assign(f.begin(), f.end());
+    std::vector<llama2c::session*> batch{&full};
+    std::vector<int> in{ref_token};
+    for (config_run& c : runs) {
+      batch.push_back(&c.forced.session);
+      in.push_back(ref_token);
+      if (c.prefix < 0) {
+        batch.push_back(&c.free_run.session);
+        in.push_back(c.free_token);
+      }
     }
-    int next;
+    decoder.step(batch, in);
+    const auto logits = [&](std::size_t k) {
+      const auto z = decoder.logits(static_cast<int>(k));
+      return std::vector<float>(z.begin(), z.end());
+    };
+    const std::vector<float> ref_logits = logits(0);
+    int next = 0;
+    double u = 0;
     if (t + 1 < P) {
       next = p[static_cast<std::size_t>(t + 1)];
-      free_token = next;
     } else {
-      const double u = llama2c::uniform_draw(rng);
+      u = llama2c::uniform_draw(rng);
       next = reference.draw(ref_logits, u);
       reference.push(next);
-      if (prefix < 0) {  // the free run draws with its own history: its own tokens so far
-        free_token = own.draw(free_logits, u);
-        own.push(free_token);
-        if (free_token != next) prefix = t + 1 - P;
+    }
+    std::size_t k = 1;
+    for (config_run& c : runs) {
+      const bool scored = c.forced_compressed;
+      const std::vector<float> forced_logits = logits(k++);
+      if (c.prefix >= 0) {
+      } else if (t + 1 < P) {
+        ++k;
+        c.free_token = next;
+      } else {  // the free run draws with its own history: its own tokens so far
+        c.free_token = c.own.draw(logits(k++), u);
+        c.own.push(c.free_token);
+        if (c.free_token != next) c.prefix = t + 1 - P;
       }
-      if (scored) {
+      if (t + 1 >= P && scored) {
         const double lp = log_sum_exp(ref_logits), lq = log_sum_exp(forced_logits);
-        double k = 0.0;
+        double kl = 0.0;
         for (std::size_t i = 0; i < ref_logits.size(); ++i)
-          k += std::exp(ref_logits[i] - lp) * ((ref_logits[i] - lp) - (forced_logits[i] - lq));
-        kl += k;
-        top1 += llama2c::argmax(ref_logits) == llama2c::argmax(forced_logits) ? 1 : 0;
-        nll += lq - forced_logits[static_cast<std::size_t>(next)];
-        full_nll += lp - ref_logits[static_cast<std::size_t>(next)];
-        ++n;
+          kl += std::exp(ref_logits[i] - lp) * ((ref_logits[i] - lp) - (forced_logits[i] - lq));
+        c.kl += kl;
+        c.top1 += llama2c::argmax(ref_logits) == llama2c::argmax(forced_logits) ? 1 : 0;
+        c.nll += lq - forced_logits[static_cast<std::size_t>(next)];
+        c.full_nll += lp - ref_logits[static_cast<std::size_t>(next)];
+        ++c.n;
       }
     }
     ref_token = next;
-    forced_compressed |= triattn::maybe_compress(forced_policy, forced.view(), budget, {forced.position(), P});
-    if (prefix < 0) triattn::maybe_compress(free_policy, free_run.view(), budget, {free_run.position(), P});
+    for (config_run& c : runs) {
+      c.forced_compressed |=
+          triattn::maybe_compress(c.forced.policy, c.forced.session.view(), c.budget, {c.forced.session.position(), P});
+      if (c.prefix < 0)
+        triattn::maybe_compress(c.free_run.policy, c.free_run.session.view(), c.budget, {c.free_run.session.position(), P});
+    }
   }
-  if (prefix < 0) prefix = tokens;
-  REQUIRE(n > 0);
-  const auto row = csv_row(csv, "streaming_llm", std::to_string(budget));
-  CHECK(std::stod(row.at("kl")) == Approx(kl / static_cast<double>(n)).margin(2e-6));
-  CHECK(std::stod(row.at("top1")) == Approx(top1 / static_cast<double>(n)).margin(2e-6));
-  CHECK(std::stod(row.at("nll")) == Approx(nll / static_cast<double>(n)).margin(2e-6));
-  CHECK(std::stoll(row.at("positions")) == n);
-  CHECK(std::stod(row.at("gen_prefix")) == static_cast<double>(prefix));
-  CHECK(std::stod(row.at("kl")) > 0.0);
-  const auto f = csv_row(csv, "full", std::to_string(budget));
-  CHECK(std::stod(f.at("kl")) == 0.0);
-  CHECK(std::stod(f.at("nll")) == Approx(full_nll / static_cast<double>(n)).margin(2e-6));
-  CHECK(std::stod(f.at("gen_prefix")) == static_cast<double>(tokens));
+  for (const config_run& c : runs) {
+    INFO(c.name << " at budget " << c.budget);
+    const std::int64_t prefix = c.prefix < 0 ? tokens : c.prefix;
+    REQUIRE(c.n > 0);
+    const auto n = static_cast<double>(c.n);
+    const auto row = csv_row(csv, c.name, std::to_string(c.budget));
+    CHECK(std::stod(row.at("kl")) == Approx(c.kl / n).margin(2e-6));
+    CHECK(std::stod(row.at("top1")) == Approx(c.top1 / n).margin(2e-6));
+    CHECK(std::stod(row.at("nll")) == Approx(c.nll / n).margin(2e-6));
+    CHECK(std::stoll(row.at("positions")) == c.n);
+    CHECK(std::stod(row.at("gen_prefix")) == static_cast<double>(prefix));
+    CHECK(std::stod(row.at("kl")) > 0.0);
+    const auto f = csv_row(csv, "full", std::to_string(c.budget));
+    CHECK(std::stod(f.at("kl")) == 0.0);
+    CHECK(std::stod(f.at("nll")) == Approx(c.full_nll / n).margin(2e-6));
+    CHECK(std::stod(f.at("gen_prefix")) == static_cast<double>(tokens));
+  }
   // The answer file holds the sampled answer.
   CHECK(triattn_test::read_text(dir.path() / "a" / "answers.txt").find(prompt) != std::string::npos);
 }
@@ -178,6 +244,98 @@ TEST_CASE("triattn_eval passkey: the key at its depth, found with the full cache
   for (std::size_t i = 1; i < acc.size(); ++i) {
     const std::string want = acc[i][0] == "full" ? samples[1][6] : samples[2][6];
     CHECK(std::stod(acc[i][4]) == std::stod(want));
+  }
+}
+
+TEST_CASE("triattn_eval passkey: every answer is an independent sequential computation", "[eval][gguf]") {
+  // Two samples of one context in one batch, H2O and SnapKV at a budget that a round cuts at
+  // the first chunk and at one that only the last chunk cuts; chunks of 64.
+  cli::scratch_dir dir("passkey_oracle");
+  const std::int64_t context = 200;
+  const int chunk = 64, answer_tokens = 6;
+  const std::vector<double> fractions{0.3, 0.8};
+  const std::vector<std::string> policies{"h2o", "snapkv"};
+  const cli::result r = cli::run_cli(
+      dir, {"passkey", "--model", gguf_path.string(), "--policies", "full,h2o,snapkv", "--contexts",
+            std::to_string(context), "--depths", "0.2,0.7", "--fractions", "0.3,0.8", "--chunk", std::to_string(chunk),
+            "--answer-tokens", std::to_string(answer_tokens), "--threads", "2", "--out", (dir.path() / "out").string()});
+  INFO("stderr: " << r.err);
+  REQUIRE(r.code == 0);
+  const auto csv = read_csv(dir.path() / "out" / "passkey_samples.csv");
+  REQUIRE(csv.size() == 1 + 2 * (1 + policies.size() * fractions.size()));
+
+  // The oracle: every sequence decoding through its own cache with a round that cuts it to the
+  // budget after every chunk (no trunk); stepped together only for speed.
+  const llama2c::text_model tm = llama2c::text_model::load(gguf_path, "");
+  const llama2c::model& m = tm.model();
+  struct oracle_row {
+    std::string name;  // "full" or the policy
+    double fraction = 1.0, depth = 0.0;
+    std::int64_t budget = 0;
+    const triattn_eval::passkey_sample* sample = nullptr;
+    std::vector<int> prompt, answer;
+    std::optional<oracle_sequence> seq;
+    std::optional<llama2c::session> full;
+    oracle_row(std::string n, double f, double d, std::int64_t b, const triattn_eval::passkey_sample* s,
+               std::vector<int> p)
+        : name(std::move(n)), fraction(f), depth(d), budget(b), sample(s), prompt(std::move(p)) {}
+    llama2c::session& session() { return seq ? seq->session : *full; }
+  };
+  std::deque<triattn_eval::passkey_sample> keys;
+  std::deque<oracle_row> rows;
+  for (const double depth : {0.2, 0.7}) {
+    const triattn_eval::passkey_sample& s = keys.emplace_back(triattn_eval::make_passkey(tm, context, depth, 0, 1));
+    std::vector<int> prompt = s.prefill;
+    prompt.insert(prompt.end(), s.question.begin(), s.question.end());
+    const auto length = static_cast<std::int64_t>(prompt.size()) + answer_tokens;
+    oracle_row& f = rows.emplace_back("full", 1.0, depth, length, &s, prompt);
+    f.full.emplace(m, length);
+    for (const std::string& name : policies)
+      for (const double fr : fractions) {
+        oracle_row& x = rows.emplace_back(name, fr, depth, std::llround(fr * static_cast<double>(context)), &s, prompt);
+        x.seq.emplace(m, length, *llama2c::find_policy(name)->create({nullptr, triattn::schedule::every_step()}));
+      }
+  }
+  llama2c::batch_decoder decoder(m);
+  for (std::size_t t = 0;; ++t) {
+    std::vector<llama2c::session*> batch;
+    std::vector<int> in;
+    std::vector<oracle_row*> who;
+    for (oracle_row& x : rows)
+      if (t + 1 < x.prompt.size() + static_cast<std::size_t>(answer_tokens)) {
+        batch.push_back(&x.session());
+        in.push_back(t < x.prompt.size() ? x.prompt[t] : x.answer.back());
+        who.push_back(&x);
+      }
+    if (batch.empty()) break;
+    decoder.step(batch, in);
+    for (std::size_t k = 0; k < who.size(); ++k) {
+      oracle_row& x = *who[k];
+      if (t + 1 >= x.prompt.size()) x.answer.push_back(llama2c::argmax(decoder.logits(static_cast<int>(k))));
+      const std::size_t prefill = x.sample->prefill.size();
+      if (x.seq && t + 1 <= prefill && ((t + 1) % chunk == 0 || t + 1 == prefill)) {
+        llama2c::session& se = x.session();
+        bool over = false;
+        for (int l = 0; l < m.config().n_layers; ++l)
+          for (int h = 0; h < m.config().n_kv_heads; ++h) over |= se.length(l, h) > x.budget;
+        if (over) triattn::compress(x.seq->policy, se.view(), x.budget, {se.position(), 0});
+      }
+    }
+  }
+  for (const oracle_row& x : rows) {
+    INFO(x.name << " at fraction " << x.fraction << ", depth " << x.depth);
+    std::string text = tm.decode(x.answer);
+    for (char& ch : text)
+      if (ch == '\n' || ch == ',' || ch == '"') ch = ' ';
+    const std::vector<std::string>* got = nullptr;
+    for (std::size_t i = 1; i < csv.size(); ++i)
+      if (csv[i][0] == x.name && std::stod(csv[i][1]) == x.fraction && std::stod(csv[i][3]) == x.depth) got = &csv[i];
+    REQUIRE(got != nullptr);
+    CHECK((*got)[7] == text);
+    CHECK((*got)[6] == (text.find(std::to_string(x.sample->key)) != std::string::npos &&
+                                triattn_eval::first_number(text) == std::to_string(x.sample->key)
+                            ? "1"
+                            : "0"));
   }
 }
 
