@@ -57,12 +57,12 @@ std::vector<int> make_prompt(const llama_vocab* vocab) {
 // --- the runner ---------------------------------------------------------------------------
 
 double runner_tokens_per_s(const llama2c::model& m, const std::vector<int>& prompt, int batch, int steps,
-                           triattn::dtype cache) {
+                           triattn::dtype cache, int threads) {
   std::vector<llama2c::session> sessions;
   for (int s = 0; s < batch; ++s) sessions.emplace_back(m, prompt_tokens + steps, cache);
   std::vector<llama2c::session*> ptrs;
   for (auto& s : sessions) ptrs.push_back(&s);
-  llama2c::batch_decoder decoder(m);
+  llama2c::batch_decoder decoder(m, threads);
   std::vector<int> tokens(static_cast<std::size_t>(batch));
 
   for (const int t : prompt) {  // prefill, not timed
@@ -173,18 +173,20 @@ int main(int argc, char** argv) {
               prompt_tokens, steps, reps, hw_threads);
 
   using triattn::dtype;
-  struct runner_case { int batch; dtype cache; };
+  struct runner_case { int batch; dtype cache; int threads; };
   struct llama_case { int batch, threads; };
   std::vector<configuration> configs;
-  for (const runner_case rc : {runner_case{1, dtype::f32}, {4, dtype::f32}, {16, dtype::f32}, {1, dtype::bf16},
-                               {16, dtype::bf16}})
-    configs.push_back({"runner batch " + std::to_string(rc.batch) + ", " + triattn::dtype_name(rc.cache) + " cache", 1,
-                       [&, rc] { return runner_tokens_per_s(model, prompt, rc.batch, steps, rc.cache); }, {}});
-  for (const llama_case lc : {llama_case{1, 1}, {1, hw_threads}, {16, 1}, {16, hw_threads}})
+  for (const runner_case rc : {runner_case{1, dtype::f32, 1}, {4, dtype::f32, 1}, {16, dtype::f32, 1}, {1, dtype::bf16, 1},
+                               {16, dtype::bf16, 1}, {16, dtype::f32, hw_threads}, {48, dtype::f32, 1},
+                               {48, dtype::f32, hw_threads}})
+    configs.push_back({"runner batch " + std::to_string(rc.batch) + ", " + triattn::dtype_name(rc.cache) + " cache",
+                       rc.threads, [&, rc] { return runner_tokens_per_s(model, prompt, rc.batch, steps, rc.cache, rc.threads); },
+                       {}});
+  for (const llama_case lc : {llama_case{1, 1}, {1, hw_threads}, {16, 1}, {16, hw_threads}, {48, hw_threads}})
     configs.push_back({"llama.cpp " + std::to_string(lc.batch) + (lc.batch == 1 ? " sequence" : " sequences"),
                        lc.threads, [&, lc] { return llama_tokens_per_s(lmodel.get(), prompt, lc.batch, steps, lc.threads); },
                        {}});
-  const std::size_t runner_b1 = 0, llama_1t = 5;
+  const std::size_t runner_b1 = 0, llama_1t = 8;
 
   for (int r = 0; r < reps; ++r)
     for (auto& cfg : configs) cfg.samples.push_back(cfg.run());

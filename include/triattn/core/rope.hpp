@@ -119,13 +119,19 @@ TRIATTN_HOST_DEVICE void rope_band_dims(rope_style style, int dim, int f, int& r
   }
 }
 
-/// Rotates band f of `x` by `phase` radians and scales it by `scale`.
+/// Rotates band (re, im) of `x` by the rotation c = cos(phase) x scale, s = sin(phase) x scale,
+/// in double: what `rotate_band` applies, for callers that rotate many heads by one phase.
 template <class T>
-TRIATTN_HOST_DEVICE void rotate_band(T* x, int re, int im, double phase, double scale) {
-  const double c = std::cos(phase) * scale, s = std::sin(phase) * scale;
+TRIATTN_HOST_DEVICE void rotate_band_cs(T* x, int re, int im, double c, double s) {
   const double a = x[re], b = x[im];
   x[re] = static_cast<T>(a * c - b * s);
   x[im] = static_cast<T>(a * s + b * c);
+}
+
+/// Rotates band f of `x` by `phase` radians and scales it by `scale`.
+template <class T>
+TRIATTN_HOST_DEVICE void rotate_band(T* x, int re, int im, double phase, double scale) {
+  rotate_band_cs(x, re, im, std::cos(phase) * scale, std::sin(phase) * scale);
 }
 
 /// Rotates a head vector `x` [head_dim] from position 0 to position `pos`
