@@ -189,120 +189,177 @@ struct long_prompt_result {
   double distinct4 = 0.0;
 };
 
-/// Prompt `index` with every row (row j: policy j / budgets, budget j % budgets) beside the
-/// full cache, in one batch on `decoder`'s threads. The numbers do not depend on the thread
-/// count: every sequence's logits are the same bits in any batch, and each row's sums are
-/// added in step order by one thread.
-inline long_prompt_result run_long_prompt(const llama2c::text_model& tm, const std::string& prompt_text,
-                                          std::size_t index, const long_options& o, const policy_set& ps,
-                                          const std::vector<std::int64_t>& budgets, llama2c::batch_decoder& decoder,
-                                          progress_bar& bar) {
+/// Every prompt with every row (row j: policy j / budgets, budget j % budgets) beside its full
+/// cache, all in one batch on `decoder`'s threads. The numbers do not depend on the batch or
+/// the thread count: every sequence's logits are the same bits in any batch, and each row's
+/// sums are added in step order by one thread.
+inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_model& tm,
+                                                        const std::vector<std::string>& prompt_texts,
+                                                        const long_options& o, const policy_set& ps,
+                                                        const std::vector<std::int64_t>& budgets,
+                                                        llama2c::batch_decoder& decoder, progress_bar& bar) {
   const llama2c::model& m = tm.model();
-  const std::vector<int> prompt = tm.chat(prompt_text);
-  const auto P = static_cast<std::int64_t>(prompt.size()), T = o.tokens;
-  const std::size_t B = budgets.size(), rows = ps.policies.size() * B;
+  const std::int64_t T = o.tokens;
+  const std::size_t B = budgets.size(), rows = ps.policies.size() * B, N = prompt_texts.size();
   const auto V = static_cast<std::size_t>(m.config().vocab_size);
   const std::vector<std::uint8_t> allowed = tm.non_ending_tokens();
   const triattn::schedule sched = triattn::schedule::with_slack(o.slack);
 
-  llama2c::session full(m, P + T);
-  trunk_observer trunk;
-  full.set_observer(&trunk);
-  std::deque<compressed_sequence> seqs;  // row j
-  for (std::size_t j = 0; j < rows; ++j) {
-    const std::size_t p = j / B, b = j % B;
-    std::optional<llama2c::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, index), sched);
-    trunk.ride(seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]));
-  }
-  // Every row of a budget first compresses on the same step (the shared slack trigger on a
-  // cache that has grown one token a step): it branches off the trunk there, and the full
-  // cache's NLL is summed from the next step.
-  std::vector<std::int64_t> first_round(B, P + T);
-  for (std::size_t b = 0; b < B; ++b)
-    for (std::int64_t t = 0; t < P + T; ++t)
-      if (sched.should_compress(t + 1, budgets[b], t + 1)) {
-        first_round[b] = t;
-        break;
-      }
-
-  long_prompt_result r;
-  r.rows.assign(rows, {});
-  r.full.assign(B, {});
-  r.prefix.assign(rows, -1);
-  r.peak.assign(rows, 0);
-  r.prompt_tokens = P;
-  std::mt19937_64 rng = llama2c::window_rng(o.seed, index);
-  llama2c::answer_sampler sampler(o.temperature, o.repeat_penalty, o.repeat_window, allowed);
-  std::vector<llama2c::session*> batch;
-  std::vector<std::size_t> batch_rows;  // the row of batch entry k + 1
-  std::vector<int> tokens;
-  std::vector<double> logp(V), prob(V);
-  int next = prompt[0];
-  for (std::int64_t t = 0; t + 1 < P + T; ++t) {
-    batch.assign(1, &full);
-    batch_rows.clear();
+  struct prompt_state {
+    std::vector<int> prompt;
+    llama2c::session full;
+    trunk_observer trunk;
+    std::deque<compressed_sequence> seqs;  // row j
+    std::vector<std::int64_t> first_round;  // [budget]: the step of the rows' first round
+    std::mt19937_64 rng;
+    llama2c::answer_sampler sampler;
+    long_prompt_result r;
+    int next;
+    prompt_state(const llama2c::model& m, std::vector<int> p, std::int64_t T, std::mt19937_64 g, llama2c::answer_sampler s)
+        : prompt(std::move(p)), full(m, static_cast<std::int64_t>(prompt.size()) + T), rng(g), sampler(std::move(s)),
+          next(prompt[0]) {}
+    std::int64_t length() const { return static_cast<std::int64_t>(prompt.size()); }
+  };
+  std::deque<prompt_state> st;
+  for (std::size_t i = 0; i < N; ++i) {
+    prompt_state& x = st.emplace_back(m, tm.chat(prompt_texts[i]), T, llama2c::window_rng(o.seed, i),
+                                      llama2c::answer_sampler(o.temperature, o.repeat_penalty, o.repeat_window, allowed));
+    const std::int64_t P = x.length();
+    x.full.set_observer(&x.trunk);
     for (std::size_t j = 0; j < rows; ++j) {
-      TRIATTN_CHECK(seqs[j].compressed == (t > first_round[j % B]), "triattn_eval long", "row ", j,
-                    " first compressed at another step than its budget's trigger");
-      if (seqs[j].branched) {
-        batch.push_back(&seqs[j].session);
-        batch_rows.push_back(j);
-      }
+      const std::size_t p = j / B, b = j % B;
+      std::optional<llama2c::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, i), sched);
+      x.trunk.ride(x.seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]));
     }
-    tokens.assign(batch.size(), next);
-    decoder.step(batch, tokens);
-    if (t + 1 < P) {
-      next = prompt[static_cast<std::size_t>(t + 1)];
-    } else {  // this step predicts answer token a; the rows riding the trunk are not scored yet
-      const std::int64_t a = t + 1 - P;
-      const std::span<const float> ref = decoder.logits(0);
-      const double u = llama2c::uniform_draw(rng);
-      next = sampler.draw(ref, u);
-      r.answer.push_back(next);
-      const double lse = log_sum_exp(ref);
-      for (std::size_t i = 0; i < V; ++i) {
-        logp[i] = ref[i] - lse;
-        prob[i] = std::exp(logp[i]);
-      }
-      const int top = llama2c::argmax(ref);
-      decoder.team().for_each(batch_rows.size(), [&](std::size_t k) {
-        const std::span<const float> z = decoder.logits(static_cast<int>(k + 1));
-        const double lq = log_sum_exp(z);
-        double kl = 0.0;
-        for (std::size_t i = 0; i < V; ++i) kl += prob[i] * (logp[i] - (z[i] - lq));
-        position_sums& s = r.rows[batch_rows[k]];
-        s.kl += kl;
-        s.top1 += llama2c::argmax(z) == top ? 1.0 : 0.0;
-        s.nll += lq - z[static_cast<std::size_t>(next)];
-        ++s.n;
-      });
-      for (std::size_t k = 0; k < batch_rows.size(); ++k)  // the reference's history until now
-        if (const std::size_t j = batch_rows[k]; r.prefix[j] < 0 && sampler.draw(decoder.logits(static_cast<int>(k + 1)), u) != next)
-          r.prefix[j] = a;
-      sampler.push(next);
-      for (std::size_t b = 0; b < B; ++b)
-        if (t > first_round[b]) {
-          r.full[b].nll -= logp[static_cast<std::size_t>(next)];
-          ++r.full[b].n;
+    // Every row of a budget first compresses on the same step (the shared slack trigger on a
+    // cache that has grown one token a step): it branches off the trunk there, and the full
+    // cache's NLL is summed from the next step.
+    x.first_round.assign(B, P + T);
+    for (std::size_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t < P + T; ++t)
+        if (sched.should_compress(t + 1, budgets[b], t + 1)) {
+          x.first_round[b] = t;
+          break;
         }
+    x.r.rows.assign(rows, {});
+    x.r.full.assign(B, {});
+    x.r.prefix.assign(rows, -1);
+    x.r.peak.assign(rows, 0);
+    x.r.prompt_tokens = P;
+  }
+  std::int64_t steps = 0;
+  for (const prompt_state& x : st) steps = std::max(steps, x.length() + T - 1);
+
+  std::vector<llama2c::session*> batch;
+  std::vector<std::pair<std::size_t, std::size_t>> scored;  // (prompt, row) of batch entry k, rows only
+  std::vector<std::size_t> entry;                            // batch entry of prompt i's full cache
+  std::vector<int> tokens;
+  std::vector<std::vector<double>> logp(N, std::vector<double>(V)), prob(N, std::vector<double>(V));
+  std::vector<int> top(N), drawn(N);
+  std::vector<double> uniform(N);
+  std::vector<std::pair<compressed_sequence*, std::int64_t>> rounds;  // with the prompt's length
+  for (std::int64_t t = 0; t < steps; ++t) {
+    batch.clear();
+    scored.clear();
+    tokens.clear();
+    entry.assign(N, 0);
+    std::vector<std::size_t> row_entry;  // batch entry of each scored row
+    for (std::size_t i = 0; i < N; ++i) {
+      prompt_state& x = st[i];
+      if (t + 1 >= x.length() + T) continue;
+      entry[i] = batch.size();
+      batch.push_back(&x.full);
+      tokens.push_back(x.next);
+      for (std::size_t j = 0; j < rows; ++j) {
+        TRIATTN_CHECK(x.seqs[j].compressed == (t > x.first_round[j % B]), "triattn_eval long", "row ", j,
+                      " first compressed at another step than its budget's trigger");
+        if (x.seqs[j].branched) {
+          row_entry.push_back(batch.size());
+          scored.emplace_back(i, j);
+          batch.push_back(&x.seqs[j].session);
+          tokens.push_back(x.next);
+        }
+      }
     }
-    for (std::size_t j = 0; j < rows; ++j) {
-      if (seqs[j].branched) continue;
-      seqs[j].peak = std::max(seqs[j].peak, full.kv_bytes());  // a rider holds what the trunk holds
-      if (t == first_round[j % B]) trunk.branch(seqs[j], full);
+    decoder.step(batch, tokens);
+    // The reference's draw and distribution (prompt tokens are given, not drawn).
+    std::vector<char> answering(N, 0);
+    for (std::size_t i = 0; i < N; ++i) {
+      prompt_state& x = st[i];
+      if (t + 1 >= x.length() + T) continue;
+      if (t + 1 < x.length()) {
+        x.next = x.prompt[static_cast<std::size_t>(t + 1)];
+        continue;
+      }
+      answering[i] = 1;
+      const std::span<const float> ref = decoder.logits(static_cast<int>(entry[i]));
+      uniform[i] = llama2c::uniform_draw(x.rng);
+      drawn[i] = x.sampler.draw(ref, uniform[i]);
+      x.r.answer.push_back(drawn[i]);
+      const double lse = log_sum_exp(ref);
+      for (std::size_t v = 0; v < V; ++v) {
+        logp[i][v] = ref[v] - lse;
+        prob[i][v] = std::exp(logp[i][v]);
+      }
+      top[i] = llama2c::argmax(ref);
     }
-    decoder.team().for_each(rows, [&](std::size_t j) {
-      if (seqs[j].branched) seqs[j].maybe_compress(P);
+    // The rows riding a trunk are not scored yet; every branched row is.
+    decoder.team().for_each(scored.size(), [&](std::size_t k) {
+      const auto [i, j] = scored[k];
+      if (!answering[i]) return;
+      const std::span<const float> z = decoder.logits(static_cast<int>(row_entry[k]));
+      const double lq = log_sum_exp(z);
+      double kl = 0.0;
+      for (std::size_t v = 0; v < V; ++v) kl += prob[i][v] * (logp[i][v] - (z[v] - lq));
+      position_sums& sums = st[i].r.rows[j];
+      sums.kl += kl;
+      sums.top1 += llama2c::argmax(z) == top[i] ? 1.0 : 0.0;
+      sums.nll += lq - z[static_cast<std::size_t>(drawn[i])];
+      ++sums.n;
     });
-    r.full_peak = std::max(r.full_peak, full.kv_bytes());
+    for (std::size_t k = 0; k < scored.size(); ++k) {  // the reference's history until now
+      const auto [i, j] = scored[k];
+      prompt_state& x = st[i];
+      if (answering[i] && x.r.prefix[j] < 0 &&
+          x.sampler.draw(decoder.logits(static_cast<int>(row_entry[k])), uniform[i]) != drawn[i])
+        x.r.prefix[j] = t + 1 - x.length();
+    }
+    rounds.clear();
+    for (std::size_t i = 0; i < N; ++i) {
+      prompt_state& x = st[i];
+      if (t + 1 >= x.length() + T) continue;
+      if (answering[i]) {
+        x.sampler.push(drawn[i]);
+        x.next = drawn[i];
+        for (std::size_t b = 0; b < B; ++b)
+          if (t > x.first_round[b]) {
+            x.r.full[b].nll -= logp[i][static_cast<std::size_t>(drawn[i])];
+            ++x.r.full[b].n;
+          }
+      }
+      for (std::size_t j = 0; j < rows; ++j) {
+        compressed_sequence& c = x.seqs[j];
+        if (!c.branched) {
+          c.peak = std::max(c.peak, x.full.kv_bytes());  // a rider holds what the trunk holds
+          if (t == x.first_round[j % B]) x.trunk.branch(c, x.full);
+        }
+        if (c.branched) rounds.emplace_back(&c, x.length());
+      }
+      x.r.full_peak = std::max(x.r.full_peak, x.full.kv_bytes());
+    }
+    decoder.team().for_each(rounds.size(), [&](std::size_t k) { rounds[k].first->maybe_compress(rounds[k].second); });
     bar.add(1);
   }
-  for (std::size_t j = 0; j < rows; ++j) {
-    if (r.prefix[j] < 0) r.prefix[j] = T;
-    r.peak[j] = seqs[j].peak;
+  std::vector<long_prompt_result> out;
+  for (prompt_state& x : st) {
+    for (std::size_t j = 0; j < rows; ++j) {
+      if (x.r.prefix[j] < 0) x.r.prefix[j] = T;
+      x.r.peak[j] = x.seqs[j].peak;
+    }
+    x.r.distinct4 = distinct_ngrams(x.r.answer, 4);
+    out.push_back(std::move(x.r));
   }
-  r.distinct4 = distinct_ngrams(r.answer, 4);
-  return r;
+  return out;
 }
 
 inline long_options parse_long(int argc, char** argv) {
@@ -345,15 +402,13 @@ inline int run_long(int argc, char** argv) {
                prompts.size(), static_cast<long long>(o.tokens), ps.policies.size(), budgets.size(),
                static_cast<long long>(o.slack), threads);
 
-  // One batch a prompt (the full cache and every row), the prompts in turn, each step's work
-  // split over the threads.
+  // One batch: every prompt's full cache and rows, each step's work split over the threads.
   const std::size_t B = budgets.size(), N = prompts.size();
-  std::int64_t total = 0;
-  for (const std::string& p : prompts) total += static_cast<std::int64_t>(tm.chat(p).size()) + o.tokens - 1;
-  progress_bar bar("triattn_eval long", total);
+  std::int64_t longest = 0;
+  for (const std::string& p : prompts) longest = std::max(longest, static_cast<std::int64_t>(tm.chat(p).size()) + o.tokens - 1);
+  progress_bar bar("triattn_eval long", longest);
   llama2c::batch_decoder decoder(tm.model(), threads);
-  std::vector<long_prompt_result> results;
-  for (std::size_t i = 0; i < N; ++i) results.push_back(run_long_prompt(tm, prompts[i], i, o, ps, budgets, decoder, bar));
+  const std::vector<long_prompt_result> results = run_long_prompts(tm, prompts, o, ps, budgets, decoder, bar);
   std::fputc('\n', stderr);
 
   // Per (row, prompt) means, then mean and standard error across prompts.
