@@ -160,6 +160,32 @@ end=$(date +%s)
   echo
   cat "$out/test/long.md"
   echo
+  echo "## Paired differences from the paper default (test prompts)"
+  echo
+  echo "KL(variant) - KL(triattention) per prompt, then the mean ± its standard error across prompts"
+  echo "(negative: the variant is closer to the full cache)."
+  echo
+  # long_prompts.csv: policy,budget,prompt,kl,...
+  awk -F, -v budgets="$budgets" '
+    NR > 1 { kl[$1, $2, $3] = $4; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } ; prompts[$3] = 1 }
+    END {
+      nb = split(budgets, b, ",")
+      printf "| variant |"; for (j = 1; j <= nb; j++) printf " B = %s |", b[j]; printf "\n|---|"
+      for (j = 1; j <= nb; j++) printf "---:|"; printf "\n"
+      for (i = 1; i <= n; i++) {
+        v = order[i]
+        if (v == "triattention" || v !~ /^triattention_/) continue
+        printf "| %s |", v
+        for (j = 1; j <= nb; j++) {
+          s = 0; ss = 0; m = 0
+          for (p in prompts) { d = kl[v, b[j], p] - kl["triattention", b[j], p]; s += d; ss += d * d; m++ }
+          mean = s / m; se = m > 1 ? sqrt((ss - m * mean * mean) / (m - 1) / m) : 0
+          printf " %+.4f ± %.4f |", mean, se
+        }
+        printf "\n"
+      }
+    }' "$out/test/long_prompts.csv"
+  echo
   cat "$out/passkey_full/passkey.md"
   [[ -f $out/passkey/passkey.md ]] && { echo; cat "$out/passkey/passkey.md"; }
 } > "$out/summary.md"
