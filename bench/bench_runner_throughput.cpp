@@ -5,10 +5,12 @@
 // `steps` decode steps, each feeding the sequence's own argmax back in (one token per
 // sequence per step). tokens/s = sequences * steps / seconds of those decode steps, argmax
 // included. Configurations:
-//   runner        single-threaded; batch 1 is session::forward, batches 4 and 16 are one
-//                 batch_decoder::step per step; f32 cache, and bf16 at batches 1 and 16;
+//   runner        batch 1 is session::forward, batches 4, 16 and 48 are one
+//                 batch_decoder::step per step, on 1 thread (batch 16 and 48 also on 2); f32
+//                 cache, and bf16 at batches 1 and 16;
 //   llama.cpp     llama_decode of one token per call (1 thread, then all hardware threads),
-//                 and 16 sequences (n_seq_max 16, one token per sequence per llama_decode).
+//                 16 sequences (1 and all threads) and 48 (all threads), one token per
+//                 sequence per llama_decode.
 // Each configuration runs `reps` times (repetitions interleaved across configurations so
 // that a busy machine slows them alike); the table gives the median and the spread.
 //

