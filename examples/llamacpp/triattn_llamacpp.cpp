@@ -290,9 +290,13 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
   auto seq = open_sequence(model, o, o.policies.front(), o.budgets.front(), stats,
                            static_cast<std::int64_t>(ids.size()) + o.tokens);
   auto smpl = make_sampler(v, o.temperature, o.seed);
-  std::printf("triattn_llamacpp generate: policy %s, budget %lld, slack %lld, batch %d, n_ctx %u, %lld tokens\n",
-              o.policies.front().c_str(), static_cast<long long>(o.budgets.front()), static_cast<long long>(o.slack),
-              o.batch, llama_n_ctx(seq->context()), static_cast<long long>(o.tokens));
+  if (seq->held() != nullptr)
+    std::printf("triattn_llamacpp generate: policy %s, budget %lld, slack %lld, batch %d, n_ctx %u, %lld tokens\n",
+                o.policies.front().c_str(), static_cast<long long>(o.budgets.front()), static_cast<long long>(o.slack),
+                o.batch, llama_n_ctx(seq->context()), static_cast<long long>(o.tokens));
+  else
+    std::printf("triattn_llamacpp generate: full cache, batch %d, n_ctx %u, %lld tokens\n", o.batch,
+                llama_n_ctx(seq->context()), static_cast<long long>(o.tokens));
   std::printf("prompt (%zu tokens): %s\n\n", ids.size(), prompt.c_str());
   seq->feed(ids, static_cast<std::int64_t>(ids.size()));
   std::ofstream ids_out;
