@@ -90,6 +90,7 @@ struct adapter_stats {
   std::int64_t peak_cells = 0;     ///< the most cells the sequence held after a batch
   double capture_seconds = 0.0;    ///< copying K, V (and Q) out of the graph
   double round_seconds = 0.0;      ///< rounds: the library's round, then llama_memory_seq_rm
+  double seq_rm_seconds = 0.0;     ///< the part of round_seconds spent in llama_memory_seq_rm
 };
 
 /// One sequence of one llama.cpp context held at `options.budget` cells by `Policy` (a
@@ -201,6 +202,7 @@ class adapter {
                   "the round evicted the newest token (position ", before_.back(),
                   "); llama.cpp continues a sequence after its largest position, so the policy must keep it");
     llama_memory_t mem = llama_get_memory(ctx);
+    const auto rm0 = std::chrono::steady_clock::now();
     std::size_t k = 0;
     for (std::size_t i = 0; i < before_.size();) {
       if (k < kept.size() && kept[k] == before_[i]) {
@@ -216,6 +218,7 @@ class adapter {
       ++stats_.seq_rm_calls;
       i = j;
     }
+    stats_.seq_rm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - rm0).count();
     // llama.cpp's cache and the mirror hold the same positions (its cells are scanned for
     // the bounds only: cheap beside the round).
     TRIATTN_CHECK(llama_memory_seq_pos_min(mem, seq) == kept.front() && llama_memory_seq_pos_max(mem, seq) == kept.back(),

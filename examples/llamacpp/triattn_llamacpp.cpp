@@ -316,8 +316,10 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
     std::printf("cells in use: %d now, at most %lld (n_ctx %u); positions 0..%lld were decoded\n", a->cells(),
                 static_cast<long long>(s.peak_cells), llama_n_ctx(seq->context()),
                 static_cast<long long>(seq->next_position() - 1));
-    std::printf("rounds: %lld, %lld cells freed by %lld llama_memory_seq_rm calls\n", static_cast<long long>(s.rounds),
-                static_cast<long long>(s.evicted), static_cast<long long>(s.seq_rm_calls));
+    std::printf("rounds: %lld, %lld cells freed by %lld llama_memory_seq_rm calls (%.1f us a call)\n",
+                static_cast<long long>(s.rounds), static_cast<long long>(s.evicted),
+                static_cast<long long>(s.seq_rm_calls),
+                s.seq_rm_calls > 0 ? 1e6 * s.seq_rm_seconds / static_cast<double>(s.seq_rm_calls) : 0.0);
     std::printf("triattn: %.3f ms per round, %.3f ms per token copying K, V%s out of the graph; %.3f ms per token in all\n",
                 s.rounds > 0 ? 1e3 * s.round_seconds / static_cast<double>(s.rounds) : 0.0,
                 1e3 * s.capture_seconds / tokens, needs_queries(o.policies.front()) ? ", Q" : "",
