@@ -162,7 +162,8 @@ class adapter {
   }
 
   /// Before `llama_decode`: the positions of the batch's tokens of this sequence, in batch
-  /// order. Throws when they do not continue the mirror or do not fit it.
+  /// order (llama.cpp itself refuses positions that do not continue the sequence). Throws
+  /// when they do not fit the mirror.
   void begin_batch(std::span<const llama_pos> positions) {
     const char* api = "triattn_llama::adapter::begin_batch";
     TRIATTN_CHECK(!positions.empty(), api, "an empty batch");
