@@ -26,6 +26,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if !defined(__CUDA_ARCH__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "triattn/core/config.hpp"
 
@@ -69,27 +72,20 @@ TRIATTN_HOST_DEVICE float bits_float(std::uint32_t u) {
 }
 }  // namespace detail
 
-/// binary16 bits -> f32 (exact: every half is a float).
+/// binary16 bits -> f32 (exact: every half is a float). Branch-free (every case is computed
+/// and one is selected), so that a loop over a row vectorises: normals and infinities/NaNs
+/// rebias the exponent in the integer bits (NaN payloads kept), subnormals are their mantissa
+/// times 2^-24 (an exact int-to-float conversion, so no denormal is ever an operand).
 TRIATTN_HOST_DEVICE float half_bits_to_float(std::uint16_t h) {
   const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t mant = h & 0x3ffu;
-  std::uint32_t out;
-  if (exp == 0x1f) {  // inf / nan: keep the payload
-    out = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {  // normal
-    out = sign | ((exp + 112u) << 23) | (mant << 13);
-  } else if (mant == 0) {  // signed zero
-    out = sign;
-  } else {  // subnormal: normalise into an f32 normal
-    std::uint32_t e = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --e;
-    }
-    out = sign | (e << 23) | ((mant & 0x3ffu) << 13);
-  }
-  return detail::bits_float(out);
+  const std::uint32_t mag = h & 0x7fffu;
+  const std::uint32_t exp = mag >> 10;
+  const std::uint32_t shifted = mag << 13;
+  const std::uint32_t normal = shifted + (112u << 23);     // exponent 15 -> 127
+  const std::uint32_t inf_nan = shifted + (224u << 23);    // exponent 31 -> 255
+  const std::uint32_t subnormal = detail::float_bits(static_cast<float>(mag) * 0x1p-24f);
+  const std::uint32_t out = exp == 0x1fu ? inf_nan : (exp == 0u ? subnormal : normal);
+  return detail::bits_float(sign | out);
 }
 
 /// f32 -> binary16 bits, round to nearest even; overflow gives inf, NaN stays NaN (quiet).
@@ -148,17 +144,19 @@ struct minifloat {
   static constexpr std::uint8_t max_finite = Ieee ? static_cast<std::uint8_t>((exp_all << M) - 1u)
                                                   : static_cast<std::uint8_t>((1u << (E + M)) - 2u);
 
+  /// Branch-free, like `half_bits_to_float`: a row's loop vectorises.
   TRIATTN_HOST_DEVICE static float decode(std::uint8_t b) {
     const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
     const std::uint32_t mag = b & 0x7fu;
     const std::uint32_t exp = mag >> M, mant = mag & ((1u << M) - 1u);
-    if (mag == (nan & 0x7fu)) return bits_float(sign | 0x7fc00000u);
-    if (Ieee && exp == exp_all) return bits_float(sign | 0x7f800000u | (mant << (23 - M)));  // inf or nan
-    if (exp == 0) {  // subnormal or zero: mant x 2^(1 - bias - M), exact in f32
-      const float v = static_cast<float>(mant) * bits_float(static_cast<std::uint32_t>(127 + 1 - bias - M) << 23);
-      return bits_float(sign | float_bits(v));
-    }
-    return bits_float(sign | ((exp + 127u - bias) << 23) | (mant << (23 - M)));
+    const std::uint32_t normal = ((exp + 127u - bias) << 23) | (mant << (23 - M));
+    // subnormal or zero: mant x 2^(1 - bias - M), exact in f32
+    const std::uint32_t subnormal =
+        float_bits(static_cast<float>(mant) * bits_float(static_cast<std::uint32_t>(127 + 1 - bias - M) << 23));
+    // e5m2: infinities and NaNs keep their payload; e4m3: its one NaN per sign, quiet
+    const std::uint32_t special = Ieee ? 0x7f800000u | (mant << (23 - M)) : 0x7fc00000u;
+    const bool is_special = Ieee ? exp == exp_all : mag == (nan & 0x7fu);
+    return bits_float(sign | (is_special ? special : (exp == 0 ? subnormal : normal)));
   }
 
   TRIATTN_HOST_DEVICE static std::uint8_t encode(float f) {
@@ -335,7 +333,15 @@ struct scaled_accessor {
   float scale = 1.0f;
 
   TRIATTN_HOST_DEVICE void load(const std::byte* row, int n, float* out) const {
-    for (int d = 0; d < n; ++d) out[d] = load_as<T>(row, static_cast<std::size_t>(d)) * scale;
+    int d = 0;
+#if !defined(__CUDA_ARCH__) && defined(__F16C__)
+    if constexpr (std::is_same_v<T, half_t>) {  // the hardware's conversion: exact, as the bit decode
+      for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row) + d / 8)),
+                                                _mm256_set1_ps(scale)));
+    }
+#endif
+    for (; d < n; ++d) out[d] = load_as<T>(row, static_cast<std::size_t>(d)) * scale;
   }
   TRIATTN_HOST_DEVICE void store(std::byte* row, int n, const float* in) const {
     for (int d = 0; d < n; ++d) store_as<T>(row, static_cast<std::size_t>(d), in[d] / scale);

@@ -23,6 +23,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -313,6 +314,18 @@ TRIATTN_HOST_DEVICE auto value_accessor_of(const V& v, int l) {
   } else {
     return dtype_accessor{v.geometry().type, v.geometry().v_scale};
   }
+}
+
+/// Whether every element of `x` [n] is finite: integer tests on the exponent bits, OR-ed, so
+/// the loop vectorises (a check per element that throws would not).
+inline bool all_finite(const float* x, std::int64_t n) {
+  std::uint32_t bad = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    bad |= (u & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+  }
+  return bad == 0;
 }
 
 /// Reads the key row (l, h, s) as f32 (scaled) into `out` [head_dim].

@@ -3,9 +3,10 @@
 /// the device scorer of `plan_round` (round.cuh), which does the rest of the round.
 ///
 /// Scoring is four launches:
-/// 1. coefficients: c_f [batch, layers, q_heads, sets, bands] and e_f [batch, layers, q_heads,
-///    bands] from the calibrated stats and each sequence's round start, once per round, on the
-///    device (one thread per band: phasors in double, as the CPU forms them);
+/// 1. coefficients: one row [sets][c_re | c_im] then e per (batch, layer, q_head)
+///    (`triattention_coefficient_row`) from the calibrated stats and each sequence's round
+///    start, once per round, on the device (one thread per band: phasors in double, as the CPU
+///    forms them);
 /// 2. scores: one thread per (sequence, layer, kv_head, slot) reads its key once with 16-byte
 ///    loads, decodes f16/bf16/fp8 to fp32 (times k_scale), forms the bands and |K_f| once for
 ///    the GQA group and writes one score per q-head, accumulating in fp32;
@@ -85,8 +86,7 @@ inline constexpr int max_offsets = 63;
 template <int Threads>
 __global__ void __launch_bounds__(Threads)
     triattention_coefficients(kv_geometry g, triattention_device_stats stats, triattention_round round,
-                              const std::int64_t* round_starts, int batch, double* w, float* c_re, float* c_im,
-                              float* e) {
+                              const std::int64_t* round_starts, int batch, double* w, float* coef) {
   const int F = g.head_dim / 2;
   const std::int64_t rows = std::int64_t{batch} * g.num_layers * g.num_q_heads;
   const std::int64_t t = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
@@ -102,19 +102,19 @@ __global__ void __launch_bounds__(Threads)
   for (int j = 0; j < round.num_offsets; ++j) offsets[j] = triattention_offset(j);
   const std::int64_t q = stats_row * F + f;
   const int per_set = round.num_offsets / round.sets;
+  float* c = coef + row * triattention_coefficient_row(round.sets, F);  // [sets][c_re | c_im], e
   for (int j = 0; j < round.sets; ++j) {
-    const std::int64_t at = (row * round.sets + j) * F + f;
     double w_re = 0.0, w_im = 0.0;
     triattention_phasors(&wf, 1, round_starts[b], offsets + j * per_set, per_set, &w_re, &w_im);
-    c_re[at] = c_im[at] = 0.0f;
+    c[2 * j * F + f] = c[2 * j * F + F + f] = 0.0f;
     if (round.trig)
       triattention_trig_coefficients(stats.q_mean_re + q, stats.q_mean_im + q, &w_re, &w_im, 1, round.scale,
-                                     c_re + at, c_im + at);
+                                     c + 2 * j * F + f, c + 2 * j * F + F + f);
   }
-  e[row * F + f] = 0.0f;
+  c[2 * round.sets * F + f] = 0.0f;
   if (round.norm)
     triattention_norm_coefficients(stats.q_mean_re + q, stats.q_mean_im + q, stats.q_abs_mean + q, 1, round.scale,
-                                   e + row * F + f);
+                                   c + 2 * round.sets * F + f);
 }
 
 /// One thread per (sequence, layer, kv_head, slot): the key's bands once, one score per q-head
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Threads)
 template <int Threads, int MaxDim, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
     triattention_scores(view_batch<V> batch, triattention_round round, const std::int32_t* budgets, const double* w,
-                        const float* c_re, const float* c_im, const float* e, float* scores, std::int32_t* status) {
+                        const float* coef, float* scores, std::int32_t* status) {
   const kv_geometry& g = batch.geometry;
   const int F = g.head_dim / 2, G = g.group_size();
   // Grid (slot blocks, layers x kv_heads, batch): the row is (z * layers * kv_heads + y).
@@ -135,19 +135,23 @@ __global__ void __launch_bounds__(Threads)
   const std::int64_t s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
   const std::int32_t n = view.length(l, h);
   if (s >= n || (budgets != nullptr && n <= budgets[b])) return;
-  float key[MaxDim], k_re[MaxDim / 2], k_im[MaxDim / 2], k_abs[MaxDim / 2];
+  float key[MaxDim], x[3 * MaxDim / 2];
   load_key_row(view, l, h, s, key);
   bool finite = true;
   for (int d = 0; d < g.head_dim; ++d) finite = finite && isfinite(key[d]);
   if (!finite && status != nullptr)
     fail_round(status, round_status::non_finite_key);
-  triattention_key_bands(key, g.head_dim, g.rope.style, k_re, k_im, k_abs);
-  if (g.keys == key_state::pre_rope) triattention_rotate_bands(k_re, k_im, w, F, view.position(l, h, s));
+  triattention_key_features(key, g.head_dim, g.rope.style, x);
+  if (g.keys == key_state::pre_rope) {
+    float p_re[MaxDim / 2], p_im[MaxDim / 2];
+    for (int f = 0; f < F; ++f) triattention_position_phasor(w[f], view.position(l, h, s), p_re[f], p_im[f]);
+    triattention_rotate_features(x, p_re, p_im, F);
+  }
+  triattention_key_moduli(x, F);
+  const int R = triattention_coefficient_row(round.sets, F);
   for (int gi = 0; gi < G; ++gi) {
     const std::int64_t row = (std::int64_t{b} * g.num_layers + l) * g.num_q_heads + h * G + gi;
-    scores[row * batch.capacity + s] =
-        triattention_key_score(c_re + row * round.sets * F, c_im + row * round.sets * F, round.sets, e + row * F, k_re,
-                               k_im, k_abs, F);
+    scores[row * batch.capacity + s] = triattention_key_score(coef + row * R, round.sets, x, F);
   }
 }
 
@@ -230,7 +234,7 @@ cudaError_t check_triattention(const char* api, const view_batch<V>& batch, cons
 /// The coefficient and score buffers of a round, carved from the workspace.
 struct triattention_buffers {
   double* w;
-  float *c_re, *c_im, *e, *scores;
+  float *coef, *scores;  ///< coef [batch, layers, q_heads, triattention_coefficient_row]
 };
 
 template <KVCacheView V>
@@ -241,9 +245,7 @@ triattention_buffers carve_scoring(workspace_carver& ws, const view_batch<V>& ba
   const auto F = static_cast<std::size_t>(g.head_dim / 2);
   triattention_buffers out{};
   out.w = ws.take<double>(F);
-  out.c_re = ws.take<float>(rows * round.sets * F);
-  out.c_im = ws.take<float>(rows * round.sets * F);
-  out.e = ws.take<float>(rows * F);
+  out.coef = ws.take<float>(rows * static_cast<std::size_t>(triattention_coefficient_row(round.sets, static_cast<int>(F))));
   out.scores = own_scores ? ws.take<float>(rows * static_cast<std::size_t>(batch.capacity)) : nullptr;
   return out;
 }
@@ -257,11 +259,11 @@ cudaError_t launch_scoring(const view_batch<V>& batch, const triattention_device
   const kv_geometry& g = batch.geometry;
   const std::int64_t bands = std::int64_t{batch.size} * g.num_layers * g.num_q_heads * (g.head_dim / 2);
   triattention_coefficients<threads><<<blocks_for(bands, threads), threads, 0, stream>>>(
-      g, stats, round, round_starts, batch.size, buf.w, buf.c_re, buf.c_im, buf.e);
+      g, stats, round, round_starts, batch.size, buf.w, buf.coef);
   const dim3 grid(blocks_for(batch.capacity, threads), static_cast<unsigned>(g.num_layers * g.num_kv_heads),
                   static_cast<unsigned>(batch.size));
   const auto launch = [&](auto kernel) {
-    kernel<<<grid, threads, 0, stream>>>(batch, round, budgets, buf.w, buf.c_re, buf.c_im, buf.e, scores, status);
+    kernel<<<grid, threads, 0, stream>>>(batch, round, budgets, buf.w, buf.coef, scores, status);
   };
   if (g.head_dim <= 64)
     launch(triattention_scores<threads, 64, V>);

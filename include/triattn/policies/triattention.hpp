@@ -45,6 +45,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -200,8 +201,8 @@ class triattention : public policy_base<triattention> {
           value_protected_(static_cast<std::int64_t>(std::ceil(p.config.value_protect * static_cast<double>(budget)))) {
       const int F = g_.head_dim / 2;
       // w from the view's RoPE, which rotated the keys; the stats' copy is only checked against it.
-      w_.resize(static_cast<std::size_t>(F));
-      for (int f = 0; f < F; ++f) w_[f] = inv_freq(g_.rope, g_.head_dim, f);
+      std::vector<double> w(static_cast<std::size_t>(F));
+      for (int f = 0; f < F; ++f) w[f] = inv_freq(g_.rope, g_.head_dim, f);
       const int num_offsets = triattention_num_offsets(p_.config.offset_max);
       std::vector<std::int64_t> offsets(static_cast<std::size_t>(num_offsets));
       for (int j = 0; j < num_offsets; ++j) offsets[j] = triattention_offset(j);
@@ -211,44 +212,56 @@ class triattention : public policy_base<triattention> {
       w_re_.resize(static_cast<std::size_t>(sets_) * F);  // [sets, F]
       w_im_.resize(w_re_.size());
       for (int j = 0; j < sets_; ++j)
-        triattention_phasors(w_.data(), F, round_start, offsets.data() + j * per_set, per_set, w_re_.data() + j * F,
+        triattention_phasors(w.data(), F, round_start, offsets.data() + j * per_set, per_set, w_re_.data() + j * F,
                              w_im_.data() + j * F);
       scale_ = triattention_coefficient_scale(p_.stats_.attention_scale, g_.keys);
+      if (g_.keys == key_state::pre_rope) build_chunk_tables(w);
     }
 
     /// The raw scores of (l, kv_head) into `raw` [group, length].
     void raw_scores(int l, int kvh) {
-      const int F = g_.head_dim / 2, G = g_.group_size(), sets = sets_;
-      c_re_.assign(static_cast<std::size_t>(G) * sets * F, 0.0f);  // [G, sets, F]
-      c_im_.assign(c_re_.size(), 0.0f);
-      e_.assign(static_cast<std::size_t>(G) * F, 0.0f);  // [G, F]
+      const int D = g_.head_dim, F = D / 2, G = g_.group_size(), R = triattention_coefficient_row(sets_, F);
+      coef_.assign(static_cast<std::size_t>(G) * R, 0.0f);  // [G, R]
       for (int gi = 0; gi < G; ++gi) {
         const std::size_t row = p_.stats_.row(l, kvh * G + gi);
         const float *qr = p_.stats_.q_mean_real.data() + row, *qi = p_.stats_.q_mean_imag.data() + row;
-        for (int j = 0; j < sets && !p_.config.disable_trig; ++j)
-          triattention_trig_coefficients(qr, qi, w_re_.data() + j * F, w_im_.data() + j * F, F, scale_,
-                                         c_re_.data() + (gi * sets + j) * F, c_im_.data() + (gi * sets + j) * F);
+        float* c = coef_.data() + static_cast<std::ptrdiff_t>(gi) * R;
+        for (int j = 0; j < sets_ && !p_.config.disable_trig; ++j)
+          triattention_trig_coefficients(qr, qi, w_re_.data() + j * F, w_im_.data() + j * F, F, scale_, c + 2 * j * F,
+                                         c + 2 * j * F + F);
         if (!p_.config.disable_norm)
-          triattention_norm_coefficients(qr, qi, p_.stats_.q_abs_mean.data() + row, F, scale_, e_.data() + gi * F);
+          triattention_norm_coefficients(qr, qi, p_.stats_.q_abs_mean.data() + row, F, scale_, c + 2 * sets_ * F);
       }
       const std::int32_t n = view_.length(l, kvh);
       raw.resize(static_cast<std::size_t>(G) * n);
-      key_.resize(static_cast<std::size_t>(g_.head_dim));
-      k_re_.resize(F);
-      k_im_.resize(F);
-      k_abs_.resize(F);
-      for (std::int32_t s = 0; s < n; ++s) {
-        load_key(view_, l, kvh, s, key_.data());
-        for (int d = 0; d < g_.head_dim; ++d)
-          TRIATTN_CHECK(std::isfinite(key_[d]), api_, "key of layer ", l, " kv_head ", kvh, " slot ", s, " has ",
-                        key_[d], " at dim ", d, ": keys must be finite");
-        triattention_key_bands(key_.data(), g_.head_dim, g_.rope.style, k_re_.data(), k_im_.data(), k_abs_.data());
-        if (g_.keys == key_state::pre_rope)
-          triattention_rotate_bands(k_re_.data(), k_im_.data(), w_.data(), F, view_.position(l, kvh, s));
-        for (int gi = 0; gi < G; ++gi)
-          raw[static_cast<std::size_t>(gi) * n + s] =
-              triattention_key_score(c_re_.data() + gi * sets * F, c_im_.data() + gi * sets * F, sets,
-                                     e_.data() + gi * F, k_re_.data(), k_im_.data(), k_abs_.data(), F);
+      // Keys in blocks of 4: their features side by side, then each q-head's coefficients
+      // against the whole block (`triattention_block_scores`).
+      constexpr int block = 4;
+      key_.resize(static_cast<std::size_t>(D));
+      x_.resize(static_cast<std::size_t>(block) * 3 * F);  // [block, 3F]
+      const auto keys = key_accessor_of(view_, l);
+      float block_out[block];
+      for (std::int32_t s0 = 0; s0 < n; s0 += block) {
+        const int m = static_cast<int>(std::min<std::int32_t>(block, n - s0));
+        for (int k = 0; k < m; ++k) {
+          const std::int32_t s = s0 + k;
+          float* x = x_.data() + static_cast<std::ptrdiff_t>(k) * 3 * F;
+          keys.load(view_.key(l, kvh, s), D, key_.data());
+          if (!all_finite(key_.data(), D)) report_non_finite(l, kvh, s);
+          triattention_key_features(key_.data(), D, g_.rope.style, x);
+          if (g_.keys == key_state::pre_rope) rotate_to(view_.position(l, kvh, s), x);
+          triattention_key_moduli(x, F);
+        }
+        for (int gi = 0; gi < G; ++gi) {
+          const float* c = coef_.data() + static_cast<std::ptrdiff_t>(gi) * R;
+          float* to = raw.data() + static_cast<std::ptrdiff_t>(gi) * n + s0;
+          if (sets_ == 1) {
+            triattention_block_scores(c, x_.data(), 3 * F, m, F, block_out);
+            std::copy_n(block_out, m, to);
+          } else {
+            for (int k = 0; k < m; ++k) to[k] = triattention_key_score(c, sets_, x_.data() + k * 3 * F, F);
+          }
+        }
       }
     }
 
@@ -275,9 +288,56 @@ class triattention : public policy_base<triattention> {
     std::int64_t value_protected_;  ///< candidates per row that value_protect boosts
     int sets_ = 1;
     double scale_ = 1.0;
-    std::vector<double> w_, w_re_, w_im_;
-    std::vector<float> c_re_, c_im_, e_, key_, k_re_, k_im_, k_abs_, extra_;
+    std::vector<double> w_re_, w_im_;
+    std::vector<float> coef_, key_, x_, extra_;
     std::vector<std::int32_t> order_;
+    // Pre-RoPE keys: e^{i v 256^k w_f} [chunk, byte value, F] (re and im), built once per round
+    // for the bytes the cache's positions use and shared by the workers' copies.
+    std::shared_ptr<const std::vector<float>> chunk_re_, chunk_im_;
+    int chunks_ = 0;
+    std::vector<float> phasor_re_, phasor_im_;
+
+    void build_chunk_tables(const std::vector<double>& w) {
+      const int F = g_.head_dim / 2;
+      chunks_ = triattention_position_chunks(std::max<std::int64_t>(detail::largest_position(view_), 0));
+      const auto size = static_cast<std::size_t>(chunks_) * triattention_chunk_values * F;
+      auto re = std::make_shared<std::vector<float>>(size), im = std::make_shared<std::vector<float>>(size);
+      for (int k = 0; k < chunks_; ++k)
+        for (int v = 0; v < triattention_chunk_values; ++v)
+          for (int f = 0; f < F; ++f) {
+            const std::size_t at = (static_cast<std::size_t>(k) * triattention_chunk_values + v) * F + f;
+            triattention_chunk_phasor(w[f], k, v, (*re)[at], (*im)[at]);
+          }
+      chunk_re_ = std::move(re);
+      chunk_im_ = std::move(im);
+    }
+
+    /// Rotates the bands in `x` to position p (pre-RoPE keys): the product of p's byte factors.
+    void rotate_to(std::int64_t p, float* x) {
+      const int F = g_.head_dim / 2;
+      const int c = triattention_position_chunks(p);
+      TRIATTN_CHECK(p >= 0 && c <= chunks_, api_, "position ", p, " is outside the cache's positions");
+      phasor_re_.resize(static_cast<std::size_t>(F));
+      phasor_im_.resize(static_cast<std::size_t>(F));
+      const auto entry = [&](int k) {
+        return static_cast<std::size_t>(k * triattention_chunk_values + ((p >> (triattention_chunk_bits * k)) & 0xff)) * F;
+      };
+      const float *re0 = chunk_re_->data() + entry(0), *im0 = chunk_im_->data() + entry(0);
+      std::copy_n(re0, F, phasor_re_.data());
+      std::copy_n(im0, F, phasor_im_.data());
+      for (int k = 1; k < c; ++k) {
+        const float *re = chunk_re_->data() + entry(k), *im = chunk_im_->data() + entry(k);
+        for (int f = 0; f < F; ++f) triattention_phasor_multiply(phasor_re_[f], phasor_im_[f], re[f], im[f]);
+      }
+      triattention_rotate_features(x, phasor_re_.data(), phasor_im_.data(), F);
+    }
+
+    [[noreturn]] void report_non_finite(int l, int kvh, std::int32_t s) const {
+      for (int d = 0; d < g_.head_dim; ++d)
+        TRIATTN_CHECK(std::isfinite(key_[d]), api_, "key of layer ", l, " kv_head ", kvh, " slot ", s, " has ", key_[d],
+                      " at dim ", d, ": keys must be finite");
+      detail::fail(api_, "layer ", l, " kv_head ", kvh, " slot ", s, ": key is not finite");  // not reached
+    }
 
     void blend_history(int l, int kvh, std::span<float> out) {
       const float beta = p_.config.score_ema;

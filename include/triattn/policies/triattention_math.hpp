@@ -23,6 +23,9 @@
 
 #include <cmath>
 #include <cstdint>
+#if !defined(__CUDA_ARCH__) && (defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
 
 #include "triattn/core/config.hpp"
 #include "triattn/core/kv_cache_view.hpp"
@@ -89,58 +92,178 @@ TRIATTN_HOST_DEVICE void triattention_norm_coefficients(const float* q_mean_re, 
   }
 }
 
-/// Splits a key row `key` [head_dim] into its complex bands `k_re`, `k_im` and their moduli
-/// `k_abs` [head_dim / 2], with the RoPE pairing `style`.
-TRIATTN_HOST_DEVICE void triattention_key_bands(const float* key, int head_dim, rope_style style, float* k_re,
-                                                float* k_im, float* k_abs) {
-  for (int f = 0; f < head_dim / 2; ++f) {
-    int re, im;
-    rope_band_dims(style, head_dim, f, re, im);
-    k_re[f] = key[re];
-    k_im[f] = key[im];
-    k_abs[f] = std::sqrt(key[re] * key[re] + key[im] * key[im]);
+/// A key's features `x` [3F] = [Re K_f | Im K_f | |K_f|], with F = head_dim / 2: the operand
+/// of the score's one dot product (`triattention_key_score`). `triattention_key_features`
+/// writes the bands (the RoPE pairing `style` resolved here, so every later loop is unit-stride
+/// over bands); pre-RoPE keys are then rotated (`triattention_rotate_features`) and
+/// `triattention_key_moduli` completes the row.
+TRIATTN_HOST_DEVICE void triattention_key_features(const float* key, int head_dim, rope_style style, float* x) {
+  const int F = head_dim / 2;
+  if (style == rope_style::half) {  // bands (d, d + F): the row already is [re | im]
+    for (int d = 0; d < head_dim; ++d) x[d] = key[d];
+  } else {  // interleaved (2f, 2f + 1)
+    for (int f = 0; f < F; ++f) {
+      x[f] = key[2 * f];
+      x[F + f] = key[2 * f + 1];
+    }
   }
 }
 
-/// Pre-RoPE keys: rotates the bands by e^{i p w_f} (no scale), so that Re(c_f conj K_f) equals
-/// Re(c_f e^{-i p w_f} conj κ_f). The phase p w_f is formed and evaluated in double.
-TRIATTN_HOST_DEVICE void triattention_rotate_bands(float* k_re, float* k_im, const double* inv_freq, int num_bands,
-                                                   std::int64_t position) {
-  for (int f = 0; f < num_bands; ++f) {
-    const double phase = static_cast<double>(position) * inv_freq[f];
-    const double c = std::cos(phase), s = std::sin(phase);
-    const double re = k_re[f], im = k_im[f];
-    k_re[f] = static_cast<float>(re * c - im * s);
-    k_im[f] = static_cast<float>(re * s + im * c);
+/// |K_f| into `x[2F, 3F)` from the bands in `x[0, 2F)`. The square roots go through the
+/// SSE/AVX instruction on x86 hosts: `std::sqrt` may set errno, so without -fno-math-errno
+/// the compiler keeps it scalar with a branch per band. Every path is IEEE's correctly
+/// rounded square root, so each gives the same float.
+TRIATTN_HOST_DEVICE void triattention_key_moduli(float* x, int num_bands) {
+  const int F = num_bands;
+  float* m = x + 2 * F;
+  for (int f = 0; f < F; ++f) m[f] = x[f] * x[f] + x[F + f] * x[F + f];
+  int f = 0;
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+  for (; f + 16 <= F; f += 16) _mm512_storeu_ps(m + f, _mm512_sqrt_ps(_mm512_loadu_ps(m + f)));
+#elif !defined(__CUDA_ARCH__) && defined(__AVX__)
+  for (; f + 8 <= F; f += 8) _mm256_storeu_ps(m + f, _mm256_sqrt_ps(_mm256_loadu_ps(m + f)));
+#elif !defined(__CUDA_ARCH__) && defined(__SSE2__)
+  for (; f + 4 <= F; f += 4) _mm_storeu_ps(m + f, _mm_sqrt_ps(_mm_loadu_ps(m + f)));
+#endif
+  for (; f < F; ++f) m[f] = std::sqrt(m[f]);
+}
+
+/// Pre-RoPE keys are rotated to their position p by e^{i p w_f} without any trigonometry per
+/// key: p is split into bytes, p = Σ_k b_k 256^k, and e^{i p w_f} = Π_k e^{i b_k 256^k w_f},
+/// each factor one entry of a table built per round (`triattention_chunk_phasor`, the phase
+/// formed and evaluated in double, then rounded to float). A position below 256^c takes c
+/// factors; the product runs in float, lowest byte first, so the CPU and GPU form it alike.
+inline constexpr int triattention_chunk_bits = 8;
+inline constexpr int triattention_chunk_values = 1 << triattention_chunk_bits;
+/// Bytes of a non-negative int32 position: 4 factors at most.
+inline constexpr int triattention_max_chunks = 4;
+
+/// e^{i v 256^k w} as floats: table entry (chunk k, byte value v) of the band of frequency w.
+TRIATTN_HOST_DEVICE void triattention_chunk_phasor(double w, int k, int v, float& re, float& im) {
+  const double phase = static_cast<double>(std::int64_t{v} << (triattention_chunk_bits * k)) * w;
+  re = static_cast<float>(std::cos(phase));
+  im = static_cast<float>(std::sin(phase));
+}
+
+/// How many byte factors position p >= 0 takes (1 for p < 256).
+TRIATTN_HOST_DEVICE int triattention_position_chunks(std::int64_t p) {
+  int c = 1;
+  while (c < triattention_max_chunks && (p >> (triattention_chunk_bits * c)) != 0) ++c;
+  return c;
+}
+
+/// Multiplies the phasor (re, im) by (b_re, b_im) in place, in float.
+TRIATTN_HOST_DEVICE void triattention_phasor_multiply(float& re, float& im, float b_re, float b_im) {
+  const float r = re * b_re - im * b_im;
+  im = re * b_im + im * b_re;
+  re = r;
+}
+
+/// e^{i p w} of one band from its byte factors, each computed on the spot: what a table of
+/// `triattention_chunk_phasor` entries gives, for a scorer that keeps no table (the GPU's).
+TRIATTN_HOST_DEVICE void triattention_position_phasor(double w, std::int64_t p, float& re, float& im) {
+  triattention_chunk_phasor(w, 0, static_cast<int>(p & 0xff), re, im);
+  for (int k = 1; k < triattention_position_chunks(p); ++k) {
+    float b_re, b_im;
+    triattention_chunk_phasor(w, k, static_cast<int>((p >> (triattention_chunk_bits * k)) & 0xff), b_re, b_im);
+    triattention_phasor_multiply(re, im, b_re, b_im);
+  }
+}
+
+/// Rotates the bands of `x` [re | im] by the phasors `p_re`, `p_im` [F]: K_f = p_f κ_f.
+TRIATTN_HOST_DEVICE void triattention_rotate_features(float* x, const float* p_re, const float* p_im, int num_bands) {
+  const int F = num_bands;
+  for (int f = 0; f < F; ++f) {
+    const float re = x[f], im = x[F + f];
+    x[f] = re * p_re[f] - im * p_im[f];
+    x[F + f] = re * p_im[f] + im * p_re[f];
   }
 }
 
 namespace detail {
-/// Σ_i a_i b_i in float over 8 independent partial sums: short dependency chains, and a loop
-/// the compiler vectorises (a plain serial sum may not be reordered).
+/// Σ_i a_i b_i in float over 16 independent partial sums in a fixed order: one vector
+/// register's worth of lanes at any SIMD width (the compiler maps them to 4, 2 or 1
+/// registers), short dependency chains, and the same sum on every build and on the GPU.
 TRIATTN_HOST_DEVICE float triattention_dot(const float* a, const float* b, int n) {
-  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  constexpr int lanes = 16;
+  float part[lanes] = {};
   int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; ++k) part[k] += a[i + k] * b[i + k];
-  for (; i < n; ++i) part[i % 8] += a[i] * b[i];
-  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; i + lanes <= n; i += lanes)
+    for (int k = 0; k < lanes; ++k) part[k] += a[i + k] * b[i + k];
+  for (int k = 0; i + k < n; ++k) part[k] += a[i + k] * b[i + k];
+  for (int width = lanes / 2; width >= 1; width /= 2)
+    for (int k = 0; k < width; ++k) part[k] += part[k + width];
+  return part[0];
 }
 }  // namespace detail
 
-/// Score of one key against one q-head: the largest over the `num_sets` coefficient sets
-/// (`c_re`, `c_im` [num_sets, num_bands]; one set for mean aggregation) of Σ_f Re(c_f conj K_f),
-/// plus Σ_f e_f |K_f| (`e` [num_bands]). Accumulates in float.
-TRIATTN_HOST_DEVICE float triattention_key_score(const float* c_re, const float* c_im, int num_sets, const float* e,
-                                                 const float* k_re, const float* k_im, const float* k_abs,
-                                                 int num_bands) {
+/// Length of one q-head's coefficient row for `num_sets` phasor sets: [sets][c_re | c_im]
+/// (2F each) then e [F]. With one set (mean aggregation) the row is [c_re | c_im | e], the
+/// same layout as a key's features.
+TRIATTN_HOST_DEVICE int triattention_coefficient_row(int num_sets, int num_bands) {
+  return (2 * num_sets + 1) * num_bands;
+}
+
+/// Score of one key (features `x` [3F]) against one q-head (coefficient row `coef`, see
+/// `triattention_coefficient_row`): the largest over the sets of Σ_f Re(c_f conj K_f) plus
+/// Σ_f e_f |K_f|. One set: one dot product of length 3F.
+TRIATTN_HOST_DEVICE float triattention_key_score(const float* coef, int num_sets, const float* x, int num_bands) {
+  const int F = num_bands;
+  if (num_sets == 1) return detail::triattention_dot(coef, x, 3 * F);
   float trig = 0.0f;
   for (int j = 0; j < num_sets; ++j) {
-    const float t = detail::triattention_dot(c_re + j * num_bands, k_re, num_bands) +
-                    detail::triattention_dot(c_im + j * num_bands, k_im, num_bands);
+    const float t = detail::triattention_dot(coef + 2 * j * F, x, 2 * F);
     trig = j == 0 || t > trig ? t : trig;
   }
-  return trig + detail::triattention_dot(e, k_abs, num_bands);
+  return trig + detail::triattention_dot(coef + 2 * num_sets * F, x + 2 * F, F);
+}
+
+/// Scores of `keys` <= 4 keys (features `x` [keys][3F], `x_stride` floats apart) against one
+/// q-head's single-set coefficient row `coef` [3F] into `out` [keys]: each the float
+/// `triattention_key_score(coef, 1, x_k, F)` gives (the same 16 partial sums, the same
+/// order), with each coefficient load shared by the block's keys.
+TRIATTN_HOST_DEVICE void triattention_block_scores(const float* coef, const float* x, int x_stride, int keys,
+                                                   int num_bands, float* out) {
+  constexpr int lanes = 16, block = 4;
+  const int n = 3 * num_bands;
+  if (keys < block) {
+    for (int k = 0; k < keys; ++k) out[k] = detail::triattention_dot(coef, x + k * x_stride, n);
+    return;
+  }
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+  if (n % lanes == 0) {  // one zmm holds the 16 partial sums; the tree below is the scalar one's
+    __m512 acc[block] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int i = 0; i < n; i += lanes) {
+      const __m512 c = _mm512_loadu_ps(coef + i);
+      for (int k = 0; k < block; ++k) {
+#if defined(__FMA__)  // what the compiler's contraction makes of the scalar `part += a * b`
+        acc[k] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + k * x_stride + i), acc[k]);
+#else
+        acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(c, _mm512_loadu_ps(x + k * x_stride + i)));
+#endif
+      }
+    }
+    for (int k = 0; k < block; ++k) {
+      const __m256 w8 = _mm256_add_ps(_mm512_castps512_ps256(acc[k]),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[k]), 1)));
+      const __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
+      const __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
+      out[k] = _mm_cvtss_f32(_mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1)));
+    }
+    return;
+  }
+#endif
+  float part[block][lanes] = {};
+  int i = 0;
+  for (; i + lanes <= n; i += lanes)
+    for (int k = 0; k < block; ++k)
+      for (int j = 0; j < lanes; ++j) part[k][j] += coef[i + j] * x[k * x_stride + i + j];
+  for (int k = 0; k < block; ++k) {
+    for (int j = 0; i + j < n; ++j) part[k][j] += coef[i + j] * x[k * x_stride + i + j];
+    for (int width = lanes / 2; width >= 1; width /= 2)
+      for (int j = 0; j < width; ++j) part[k][j] += part[k][j + width];
+    out[k] = part[k][0];
+  }
 }
 
 /// One candidate's term of a row's sum of squared deviations from the row's mean, in double.
