@@ -11,6 +11,7 @@
 #include "triattn/core/error.hpp"
 #include "triattn/core/granularity.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/parallel.hpp"
 #include "triattn/core/rope.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"

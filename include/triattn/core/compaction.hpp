@@ -3,7 +3,9 @@
 ///
 /// Compaction is a forward gather: slot keep[i] moves to slot i. Because keep indices are
 /// strictly ascending, keep[i] >= i, so no row is overwritten before it has been read and no
-/// scratch buffer is needed. Everything is validated before the first byte moves: a plan that
+/// scratch buffer is needed. Consecutive keep indices move as one run, and rows adjacent in
+/// memory (HND, one page) as one block, so a compaction runs at the speed of a `memcpy` of
+/// the kept rows. Everything is validated before the first byte moves: a plan that
 /// fails validation leaves the cache untouched.
 #pragma once
 
@@ -17,6 +19,7 @@
 #include "triattn/core/config.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/parallel.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
 
@@ -106,10 +109,68 @@ void validate_plan(const char* api, const V& view, const keep_plan& plan) {
   }
 }
 
-/// Applies `plan` in place: K and V rows, positions, lengths and every `states` array.
-/// Validates everything first; on error nothing has been modified.
+namespace detail {
+/// Moves rows [src, src + count) of one (layer, kv_head) to [dst, dst + count), src > dst:
+/// `row(s)` is the address of slot s. Slots whose rows are adjacent in memory on both sides
+/// move as one block (`memmove`: the source and destination of a run may overlap); a row
+/// that stands alone is one copy of `Bytes` (a compile-time size when it is a common row
+/// size, which the compiler turns into a few vector moves instead of a call).
+template <std::size_t Bytes, class RowFn>
+void move_rows(const RowFn& row, std::int64_t src, std::int64_t dst, std::int64_t count, std::size_t row_bytes) {
+  std::int64_t t = 0;
+  while (t < count) {
+    std::byte* to = row(dst + t);
+    const std::byte* from = row(src + t);
+    std::int64_t len = 1;
+    while (t + len < count && row(src + t + len) == from + len * static_cast<std::int64_t>(row_bytes) &&
+           row(dst + t + len) == to + len * static_cast<std::int64_t>(row_bytes))
+      ++len;
+    if (len == 1) {
+      if constexpr (Bytes != 0) {
+        std::memcpy(to, from, Bytes);  // distinct rows never overlap
+      } else {
+        std::memcpy(to, from, row_bytes);
+      }
+    } else {
+      std::memmove(to, from, static_cast<std::size_t>(len) * row_bytes);
+    }
+    t += len;
+  }
+}
+
+/// Compacts one (layer, kv_head): runs of consecutive keep indices move together.
+template <std::size_t Bytes, KVCacheView V>
+void compact_row(const V& view, int l, int h, std::span<const std::int32_t> keep, std::size_t row_bytes,
+                 std::span<const slot_state> states) {
+  const auto m = static_cast<std::int64_t>(keep.size());
+  std::int64_t i = 0;
+  while (i < m && keep[i] == i) ++i;  // the kept prefix stays where it is
+  while (i < m) {
+    std::int64_t j = i + 1;
+    while (j < m && keep[j] == keep[j - 1] + 1) ++j;
+    const std::int64_t src = keep[i], dst = i, count = j - i;
+    move_rows<Bytes>([&](std::int64_t s) { return view.key(l, h, s); }, src, dst, count, row_bytes);
+    move_rows<Bytes>([&](std::int64_t s) { return view.value(l, h, s); }, src, dst, count, row_bytes);
+    for (std::int64_t t = 0; t < count; ++t) view.position(l, h, dst + t) = view.position(l, h, src + t);
+    for (const slot_state& st : states) {
+      const auto e = static_cast<std::int64_t>(st.elem_bytes);
+      for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
+        std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * e;
+        std::memmove(base + dst * e, base + src * e, static_cast<std::size_t>(count * e));
+      }
+    }
+    i = j;
+  }
+  view.set_length(l, h, static_cast<std::int32_t>(m));
+}
+}  // namespace detail
+
+/// Applies `plan` in place: K and V rows, positions, lengths and every `states` array, one
+/// (layer, kv_head) per item of `parallel`. Validates everything first; on error nothing has
+/// been modified.
 template <KVCacheView V>
-compaction_result compact(const V& view, const keep_plan& plan, std::span<const slot_state> states = {}) {
+compaction_result compact(const V& view, const keep_plan& plan, std::span<const slot_state> states = {},
+                          const parallel_for& parallel = {}) {
   const char* api = "triattn::compact";
   view.validate(api);
   validate_plan(api, view, plan);
@@ -120,25 +181,19 @@ compaction_result compact(const V& view, const keep_plan& plan, std::span<const 
   const kv_geometry& g = view.geometry();
   const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dtype_bytes(g.type);
   const std::int32_t before = max_length(view);
-  for (int l = 0; l < g.num_layers; ++l) {
-    for (int h = 0; h < g.num_kv_heads; ++h) {
-      const auto keep = plan.row(l, h);
-      for (std::size_t i = 0; i < keep.size(); ++i) {
-        const std::int64_t src = keep[i], dst = static_cast<std::int64_t>(i);
-        if (src == dst) continue;
-        std::memcpy(view.key(l, h, dst), view.key(l, h, src), row_bytes);  // distinct rows never overlap
-        std::memcpy(view.value(l, h, dst), view.value(l, h, src), row_bytes);
-        view.position(l, h, dst) = view.position(l, h, src);
-        for (const slot_state& st : states) {
-          for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
-            std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * static_cast<std::int64_t>(st.elem_bytes);
-            std::memcpy(base + dst * static_cast<std::int64_t>(st.elem_bytes),
-                        base + src * static_cast<std::int64_t>(st.elem_bytes), st.elem_bytes);
-          }
-        }
-      }
-      view.set_length(l, h, static_cast<std::int32_t>(keep.size()));
-    }
+  const auto each_row = [&]<std::size_t Bytes>() {
+    parallel(std::int64_t{g.num_layers} * g.num_kv_heads, [&](std::int64_t r, int) {
+      const int l = static_cast<int>(r / g.num_kv_heads), h = static_cast<int>(r % g.num_kv_heads);
+      detail::compact_row<Bytes>(view, l, h, plan.row(l, h), row_bytes, states);
+    });
+  };
+  switch (row_bytes) {  // the row sizes of head_dim 64 / 128 / 256 in 1, 2 and 4 bytes
+    case 64: each_row.template operator()<64>(); break;
+    case 128: each_row.template operator()<128>(); break;
+    case 256: each_row.template operator()<256>(); break;
+    case 512: each_row.template operator()<512>(); break;
+    case 1024: each_row.template operator()<1024>(); break;
+    default: each_row.template operator()<0>(); break;
   }
   compaction_result result;
   if constexpr (requires { view.freed_pages(before, before); }) {

@@ -29,6 +29,13 @@
 ///    ascending; the keep set goes to every row of the decision.
 /// `compress` then compacts K, V, positions and the policy's state with that plan. Nothing
 /// moves until every check and every score of the round has succeeded.
+///
+/// **Threads** (`round_context::parallel`): the rows of step 3 are scored in parallel, each
+/// into its own buffer (the round holds every scored row's scores at once: 4 bytes per slot
+/// per (layer, kv_head), 1/64 of a bf16 cache of head_dim 128); steps 3's fold and 4 run per
+/// decision in parallel, folding rows in row order; compaction runs per (layer, kv_head). The
+/// row scorer `begin_round` returns is copied once per worker, so it must be copyable and
+/// its `score` may only write its own scratch and the row it is given.
 #pragma once
 
 #include <algorithm>
@@ -44,6 +51,7 @@
 #include "triattn/core/error.hpp"
 #include "triattn/core/granularity.hpp"
 #include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/parallel.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
 
@@ -57,6 +65,9 @@ struct round_context {
   std::int64_t position = -1;
   /// The prompt's token count: slots holding positions [0, prompt_length) are the prompt.
   std::int64_t prompt_length = 0;
+  /// Where the round's (layer, kv_head) rows run: serial by default; `threads(n)` or the
+  /// engine's own pool (core/parallel.hpp). The keep sets do not depend on it.
+  parallel_for parallel{};
 };
 
 /// What the budget counts when a prompt exists.
@@ -176,44 +187,82 @@ keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const 
   const bool prompt_kept = opts.protect_prompt || opts.budget == budget_mode::beyond_prompt;
   prot.prompt_length = prompt_kept ? ctx.prompt_length : 0;
 
-  std::vector<std::vector<std::int32_t>> keep(static_cast<std::size_t>(map.decisions()));
-  std::vector<std::int32_t> positions;
-  std::vector<std::uint8_t> candidate;
-  std::vector<float> acc, row;
+  // Per decision: its protected slots and keep count (serial, one pass over positions).
+  struct decision {
+    std::vector<std::int32_t> positions;
+    std::vector<std::uint8_t> candidate;  // 1: competes, 0: protected
+    std::int64_t keep = 0;
+    std::int64_t scores_at = -1;  // offset of its rows' scores in `scores`, -1: not scored
+  };
+  std::vector<decision> decisions(static_cast<std::size_t>(map.decisions()));
+  std::int64_t score_floats = 0;
   for (int d = 0; d < map.decisions(); ++d) {
     int l0, h0;
     map.row(d, 0, l0, h0);
     const std::int32_t n = view.length(l0, h0);
-    positions.resize(static_cast<std::size_t>(n));
-    candidate.resize(static_cast<std::size_t>(n));
+    decision& dec = decisions[static_cast<std::size_t>(d)];
+    dec.positions.resize(static_cast<std::size_t>(n));
+    dec.candidate.resize(static_cast<std::size_t>(n));
     std::int64_t protected_slots = 0, prompt_slots = 0;
     for (std::int32_t s = 0; s < n; ++s) {
-      positions[s] = view.position(l0, h0, s);
-      const bool p = is_protected(prot, s, n, positions[s]);
-      candidate[s] = p ? 0 : 1;
+      dec.positions[s] = view.position(l0, h0, s);
+      const bool p = is_protected(prot, s, n, dec.positions[s]);
+      dec.candidate[s] = p ? 0 : 1;
       protected_slots += p ? 1 : 0;
-      prompt_slots += positions[s] < ctx.prompt_length ? 1 : 0;
+      prompt_slots += dec.positions[s] < ctx.prompt_length ? 1 : 0;
     }
-    const std::int64_t k = rule.keep + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
+    dec.keep = rule.keep + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
+    // Scored only when protection alone does not decide and the rows do not fit whole.
+    if (dec.keep > 0 && n > dec.keep && protected_slots < dec.keep) {
+      dec.scores_at = score_floats;
+      score_floats += std::int64_t{map.rows()} * n;
+    }
+  }
+
+  // Every scored row into its own part of `scores` [row of decision, slot], in parallel: one
+  // row scorer (with its scratch) per worker.
+  const parallel_for& par = ctx.parallel;
+  std::vector<float> scores(static_cast<std::size_t>(score_floats));
+  std::vector<std::int64_t> items;  // d * rows + r of every scored row
+  for (int d = 0; d < map.decisions(); ++d)
+    if (decisions[static_cast<std::size_t>(d)].scores_at >= 0)
+      for (int r = 0; r < map.rows(); ++r) items.push_back(std::int64_t{d} * map.rows() + r);
+  std::vector<decltype(rows)> scorers;
+  scorers.reserve(static_cast<std::size_t>(std::max(par.workers, 1)));
+  scorers.push_back(std::move(rows));
+  for (int w = 1; w < par.workers && std::ssize(items) > 1; ++w) scorers.push_back(scorers.front());
+  par(std::ssize(items), [&](std::int64_t i, int worker) {
+    const int d = static_cast<int>(items[static_cast<std::size_t>(i)] / map.rows());
+    const int r = static_cast<int>(items[static_cast<std::size_t>(i)] % map.rows());
+    const decision& dec = decisions[static_cast<std::size_t>(d)];
+    const auto n = static_cast<std::int64_t>(dec.positions.size());
+    int l, h;
+    map.row(d, r, l, h);
+    scorers[static_cast<std::size_t>(worker)].score(
+        l, h, dec.candidate,
+        std::span<float>(scores.data() + dec.scores_at + r * n, static_cast<std::size_t>(n)));
+  });
+
+  // Per decision: fold its rows in row order (the same sums at every thread count), select.
+  std::vector<std::vector<std::int32_t>> keep(static_cast<std::size_t>(map.decisions()));
+  par(map.decisions(), [&](std::int64_t d, int) {
+    const decision& dec = decisions[static_cast<std::size_t>(d)];
+    const auto n = static_cast<std::int64_t>(dec.positions.size());
     std::vector<std::int32_t>& out = keep[static_cast<std::size_t>(d)];
-    if (k <= 0) continue;  // a rule may keep nothing (H2O's fractions of a short prompt)
-    if (n <= k) {
+    if (dec.keep <= 0) return;  // a rule may keep nothing (H2O's fractions of a short prompt)
+    if (n <= dec.keep) {
       out.resize(static_cast<std::size_t>(n));
       std::iota(out.begin(), out.end(), 0);
-      continue;
+      return;
     }
-    acc.assign(static_cast<std::size_t>(n), row_fold_start(opts.reduction));
-    if (protected_slots < k) {  // otherwise protection alone decides: nothing to score
-      row.resize(static_cast<std::size_t>(n));
+    std::vector<float> acc(static_cast<std::size_t>(n), row_fold_start(opts.reduction));
+    if (dec.scores_at >= 0)
       for (int r = 0; r < map.rows(); ++r) {
-        int l, h;
-        map.row(d, r, l, h);
-        rows.score(l, h, candidate, row);
-        for (std::int32_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction);
+        const float* row = scores.data() + dec.scores_at + r * n;
+        for (std::int64_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction);
       }
-    }
-    out = select_keep(acc, positions, prot, k);
-  }
+    out = select_keep(acc, dec.positions, prot, dec.keep);
+  });
 
   keep_plan plan(g.num_layers, g.num_kv_heads);
   for (int l = 0; l < g.num_layers; ++l)
@@ -243,10 +292,10 @@ keep_plan plan_for(P& policy, const V& view, std::int64_t budget, const round_co
 }
 
 template <class P, KVCacheView V>
-compaction_result apply_plan(P& policy, const V& view, const keep_plan& plan) {
+compaction_result apply_plan(P& policy, const V& view, const keep_plan& plan, const parallel_for& par) {
   std::vector<slot_state> states;
   if constexpr (requires { policy.state(); }) states = policy.state();
-  compaction_result result = compact(view, plan, states);
+  compaction_result result = compact(view, plan, states, par);
   if constexpr (requires { policy.after_compact(view, plan); }) policy.after_compact(view, plan);
   return result;
 }
@@ -259,7 +308,7 @@ template <class P, KVCacheView V>
   requires compression_policy<P, V>
 compaction_result compress(P& policy, const V& view, std::int64_t budget, const round_context& ctx = {}) {
   const keep_plan plan = detail::plan_for(policy, view, budget, ctx, "triattn::compress");
-  return detail::apply_plan(policy, view, plan);
+  return detail::apply_plan(policy, view, plan, ctx.parallel);
 }
 
 /// The budget `sched` compares the cache with: the budget, plus the prompt when it is kept
@@ -307,7 +356,9 @@ std::vector<compaction_result> compress_batch(PolicyOf&& policy_of, std::span<co
                                      api));
   std::vector<compaction_result> results;
   results.reserve(views.size());
-  for (std::size_t i = 0; i < views.size(); ++i) results.push_back(detail::apply_plan(policy_of(i), views[i], plans[i]));
+  for (std::size_t i = 0; i < views.size(); ++i)
+    results.push_back(
+        detail::apply_plan(policy_of(i), views[i], plans[i], contexts.empty() ? parallel_for{} : contexts[i].parallel));
   return results;
 }
 
