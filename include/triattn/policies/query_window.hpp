@@ -176,25 +176,43 @@ class query_window {
   }
 };
 
-/// Window logits of one q-head: `out` [m, n] = q kᵀ / √D for queries `q` [m, D] at
-/// `q_positions` [m] and keys `k` [n, D] at `k_positions` [n], −inf where a key's position is
-/// above the query's (the causal mask inside the window).
+/// Window logits: `out` [rows, n] = q kᵀ / √D for queries `q` [rows, D] and keys `k` [n, D] at
+/// `k_positions` [n], −inf where a key's position is above the query's (the causal mask
+/// inside the window). Query row i is at `q_positions[i % m]` (m = q_positions.size()): the
+/// window rows of several q-heads stacked, one product for the whole group.
 inline void window_logits(const const_rows& q, std::span<const std::int32_t> q_positions, const const_rows& k,
                           std::span<const std::int32_t> k_positions, row_matrix& out) {
   out.noalias() = q * k.transpose();
   const float scale = window_logit_scale(static_cast<int>(q.cols()));
-  for (Eigen::Index i = 0; i < out.rows(); ++i)
-    for (Eigen::Index j = 0; j < out.cols(); ++j) out(i, j) = window_logit(out(i, j), scale, k_positions[j], q_positions[i]);
+  const auto m = static_cast<Eigen::Index>(q_positions.size());
+  for (Eigen::Index i = 0; i < out.rows(); ++i) {
+    float* row = out.row(i).data();
+    const std::int32_t at = q_positions[static_cast<std::size_t>(i % m)];
+    for (Eigen::Index j = 0; j < out.cols(); ++j) row[j] = window_logit(row[j], scale, k_positions[j], at);
+  }
 }
 
 /// Softmax of `x` [n] in place, in fp32, element by element with the formulas the GPU uses
 /// (window_math.hpp). All −inf (every key masked) gives zeros: the row carries no attention.
+/// The largest entry and the sum run over 16 partial results in a fixed order, so the loops
+/// vectorise and every build sums alike.
 inline void softmax_row(float* x, Eigen::Index n) {
-  float top = -INFINITY;
-  for (Eigen::Index j = 0; j < n; ++j) top = std::max(top, x[j]);
-  float sum = 0.0f;
-  for (Eigen::Index j = 0; j < n; ++j) sum += x[j] = softmax_numerator(x[j], top);
-  for (Eigen::Index j = 0; j < n; ++j) x[j] = softmax_probability(x[j], sum);
+  constexpr int lanes = 16;
+  float top[lanes], sum[lanes];
+  std::fill_n(top, lanes, -INFINITY);
+  std::fill_n(sum, lanes, 0.0f);
+  Eigen::Index j = 0;
+  for (; j + lanes <= n; j += lanes)
+    for (int k = 0; k < lanes; ++k) top[k] = x[j + k] > top[k] ? x[j + k] : top[k];
+  for (int k = 0; j + k < n; ++k) top[k] = x[j + k] > top[k] ? x[j + k] : top[k];
+  for (int k = 1; k < lanes; ++k) top[0] = top[k] > top[0] ? top[k] : top[0];
+  for (j = 0; j < n; ++j) x[j] = softmax_numerator(x[j], top[0]);
+  for (j = 0; j + lanes <= n; j += lanes)
+    for (int k = 0; k < lanes; ++k) sum[k] += x[j + k];
+  for (int k = 0; j + k < n; ++k) sum[k] += x[j + k];
+  for (int width = lanes / 2; width >= 1; width /= 2)
+    for (int k = 0; k < width; ++k) sum[k] += sum[k + width];
+  for (j = 0; j < n; ++j) x[j] = softmax_probability(x[j], sum[0]);
 }
 
 /// Softmax of every row of `x` in place (see `softmax_row`).

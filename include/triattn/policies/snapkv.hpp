@@ -129,13 +129,11 @@ class snapkv : public window_policy<snapkv> {
   /// Votes of every q-head of the group from the recomputed window attention, then the
   /// shared finish.
   void score_prefix(const window_inputs& in, std::span<float> out) const {
-    row_matrix votes(in.group, in.prefix), probs;
-    for (int i = 0; i < in.group; ++i) {
-      window_logits(in.queries.middleRows(static_cast<Eigen::Index>(i) * in.rows, in.rows), in.query_positions,
-                    in.keys, in.key_positions, probs);
-      softmax_rows(probs);
-      votes.row(i) = probs.leftCols(in.prefix).colwise().sum();
-    }
+    row_matrix votes(in.group, in.prefix), probs;  // probs [group * rows, n]: one product for the group
+    window_logits(in.queries, in.query_positions, in.keys, in.key_positions, probs);
+    softmax_rows(probs);
+    for (int i = 0; i < in.group; ++i)
+      votes.row(i) = probs.middleRows(static_cast<Eigen::Index>(i) * in.rows, in.rows).leftCols(in.prefix).colwise().sum();
     detail::snapkv_finish(votes, config, out);
   }
 };

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "triattn/core/config.hpp"
+#include "triattn/core/dtype.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
 
@@ -27,10 +28,33 @@ TRIATTN_HOST_DEVICE float window_logit(float dot, float scale, std::int32_t key_
   return key_position > query_position ? -INFINITY : dot * scale;
 }
 
+/// e^x for x <= 0 (a logit minus its row's largest), within 2 ulp of `expf`, written out so
+/// that a row's loop vectorises on the CPU (libm's `expf` is a call per element) and the GPU
+/// computes the same float: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cody-Waite),
+/// e^r by Cephes' degree-7 polynomial, 2^n by the exponent bits. Below -87.3 (where e^x is
+/// under 2^-126) it returns 0.
+TRIATTN_HOST_DEVICE float window_exp(float x) {
+  const float clamped = x < -87.3f ? -87.3f : x;
+  const float shifter = 12582912.0f;  // 1.5 x 2^23: adding it rounds to an integer, in any rounding code
+  const float n = (clamped * 1.44269504088896341f + shifter) - shifter;
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  const float two_n = detail::bits_float(static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23);
+  return x < -87.3f ? 0.0f : e * two_n;
+}
+
 /// The unnormalised softmax entry of `x` in a row whose largest entry is `top`. A masked
 /// entry (−inf) is exactly 0, so ties of masked keys stay ties; a fully masked row (top −inf)
 /// gives only zeros.
-TRIATTN_HOST_DEVICE float softmax_numerator(float x, float top) { return x == -INFINITY ? 0.0f : expf(x - top); }
+TRIATTN_HOST_DEVICE float softmax_numerator(float x, float top) {
+  return x == -INFINITY ? 0.0f : window_exp(x - top);
+}
 
 /// The softmax entry from its numerator and the row's sum of numerators. A row with a sum of
 /// 0 is fully masked and carries no attention: its entries are 0 (not 0/0). Any other sum is
