@@ -1,18 +1,22 @@
-// TriAttention scoring on the CPU, three ways over the same keys, in one run:
-//   plain_read  – every key element read once and summed: the memory-bound floor;
-//   folded      – the library's one-pass folded scorer (one complex dot product per key and
-//                 q-head, |K_f| shared by the GQA group);
-//   per_offset  – the reference's own formulation: per offset, the F cosines and sines of
-//                 (r + o)·w are computed once and shared by all keys, and each key costs 2F
-//                 multiply-adds per offset (17 offsets), then the mean.
-// Shape (issue 3): 32K tokens x 8 kv-heads x 4 q-heads per group x 128 dims, one layer, f32.
-// `bench/summarize.py` prints the two ratios README quotes.
+// TriAttention scoring on the CPU against the fastest reads of the same keys, in one run
+// (issue 14). Shape: 1 layer x 8 kv-heads x 4 q-heads per group x 128 dims x 32K tokens,
+// HND, one thread; keys in f32, f16 and bf16 (benchmark argument: the dtype).
+//   stream_read  – the key bytes summed as 64-bit words: memory speed, no decoding;
+//   stream_copy  – a memcpy of the key bytes;
+//   plain_read   – every key element decoded to f32 and summed, vectorised (16 partial sums;
+//                  f16 through the hardware's conversion where the compiler has one);
+//   score_post   – `triattention::score` over post-RoPE keys;
+//   score_pre    – the same keys declared pre-RoPE (rotated to their positions per key).
+// `bench/cpu_ratios.py` turns a JSON run into the ratios README and bench/RESULTS.md quote.
 #include <benchmark/benchmark.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
-#include <span>
 #include <vector>
 
 #include "triattn/triattn.hpp"
@@ -21,21 +25,29 @@ namespace {
 
 constexpr int layers = 1, kv_heads = 8, group = 4, q_heads = kv_heads * group, head_dim = 128, bands = head_dim / 2;
 constexpr std::int64_t tokens = 32768, round_start = 40000;
+constexpr std::size_t elements = std::size_t{kv_heads} * tokens * head_dim;
+
+const triattn::dtype types[] = {triattn::dtype::f32, triattn::dtype::f16, triattn::dtype::bf16};
 
 struct fixture {
-  std::vector<float> keys;  // [kv_heads, tokens, head_dim] (HND, one layer)
-  std::vector<std::byte*> bases;
+  std::vector<float> keys;                        // [kv_heads, tokens, head_dim] (HND, one layer)
+  std::vector<std::byte> stored[3];               // the keys in f32, f16, bf16
+  std::vector<std::byte> copy_to;                 // stream_copy's destination
+  std::vector<std::byte*> bases[3];
   std::vector<std::int32_t> lengths, positions;
-  std::vector<double> inv_freq;
   triattn::query_stats stats;
-  triattn::dense_kv_view view;
 
   fixture() {
     std::mt19937_64 g(1234);
     std::normal_distribution<float> n;
-    keys.resize(std::size_t{kv_heads} * tokens * head_dim);
+    keys.resize(elements);
     for (float& x : keys) x = n(g);
-    bases = {reinterpret_cast<std::byte*>(keys.data())};
+    for (int t = 0; t < 3; ++t) {
+      stored[t].resize(elements * triattn::dtype_bytes(types[t]));
+      for (std::size_t i = 0; i < elements; ++i) triattn::store_element(stored[t].data(), types[t], i, keys[i]);
+      bases[t] = {stored[t].data()};
+    }
+    copy_to.resize(stored[0].size());
     lengths.assign(kv_heads, static_cast<std::int32_t>(tokens));
     positions.resize(std::size_t{kv_heads} * tokens);
     for (std::size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<std::int32_t>(i % tokens);
@@ -51,94 +63,130 @@ struct fixture {
       stats.q_mean_imag.push_back(im);
       stats.q_abs_mean.push_back(std::hypot(re, im) * 1.5f);  // E|q| >= |E q|
     }
-    view.geo = {layers, q_heads, kv_heads, head_dim, triattn::dtype::f32, triattn::key_state::post_rope, {}};
-    view.geo.rope.inv_freq_table = stats.inv_freq.data();
-    view.k_layers = view.v_layers = bases.data();
-    view.k_stride = view.v_stride = triattn::kv_strides::hnd(tokens, head_dim);
-    view.slots = {lengths.data(), positions.data(), tokens};
+  }
+
+  triattn::dense_kv_view view(int t, triattn::key_state keys_state) {
+    triattn::dense_kv_view v;
+    v.geo = {layers, q_heads, kv_heads, head_dim, types[t], keys_state, {}};
+    v.geo.rope.inv_freq_table = stats.inv_freq.data();
+    v.k_layers = v.v_layers = bases[t].data();
+    v.k_stride = v.v_stride = triattn::kv_strides::hnd(tokens, head_dim);
+    v.slots = {lengths.data(), positions.data(), tokens};
+    return v;
   }
 };
 
-const fixture& data() {
-  static const fixture f;
+fixture& data() {
+  static fixture f;
   return f;
 }
 
-void set_bytes(benchmark::State& state) {
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * kv_heads * tokens * head_dim *
-                          static_cast<std::int64_t>(sizeof(float)));
+void label(benchmark::State& state, int t) {
+  state.SetLabel(triattn::dtype_name(types[t]));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * data().stored[t].size()));
 }
 
-void plain_read(benchmark::State& state) {
-  const fixture& f = data();
+void stream_read(benchmark::State& state) {
+  const int t = static_cast<int>(state.range(0));
+  const std::vector<std::byte>& bytes = data().stored[t];
   for (auto _ : state) {
-    // 16 independent sums, so that the loop vectorises and runs at memory speed rather than
-    // at the latency of one chain of dependent additions.
-    float sum[16] = {};
-    for (std::size_t i = 0; i < f.keys.size(); i += 16)
-      for (std::size_t j = 0; j < 16; ++j) sum[j] += f.keys[i + j];
+    std::uint64_t sum[8] = {};
+    for (std::size_t i = 0; i + 64 <= bytes.size(); i += 64)
+      for (std::size_t j = 0; j < 8; ++j) {
+        std::uint64_t w;
+        std::memcpy(&w, bytes.data() + i + 8 * j, 8);
+        sum[j] += w;
+      }
     benchmark::DoNotOptimize(sum);
   }
-  set_bytes(state);
+  label(state, t);
 }
 
-void folded(benchmark::State& state) {
-  const fixture& f = data();
-  const triattn::triattention policy(f.stats);
+void stream_copy(benchmark::State& state) {
+  const int t = static_cast<int>(state.range(0));
+  fixture& f = data();
+  for (auto _ : state) {
+    std::memcpy(f.copy_to.data(), f.stored[t].data(), f.stored[t].size());
+    benchmark::DoNotOptimize(f.copy_to.data());
+    benchmark::ClobberMemory();
+  }
+  label(state, t);
+}
+
+template <class T, class Decode>
+float sum_decoded(const std::vector<std::byte>& bytes, Decode decode) {
+  float sum[16] = {};
+  const std::size_t n = bytes.size() / sizeof(T);
+  for (std::size_t i = 0; i + 16 <= n; i += 16)
+    for (std::size_t j = 0; j < 16; ++j) {
+      T x;
+      std::memcpy(&x, bytes.data() + (i + j) * sizeof(T), sizeof(T));
+      sum[j] += decode(x);
+    }
+  float total = 0.0f;
+  for (const float s : sum) total += s;
+  return total;
+}
+
+#if defined(__F16C__)
+float sum_f16c(const std::vector<std::byte>& bytes) {
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const auto* p = reinterpret_cast<const __m128i*>(bytes.data());
+  for (std::size_t i = 0; i + 2 <= bytes.size() / 16; i += 2)
+    for (std::size_t j = 0; j < 2; ++j) sum[j] = _mm256_add_ps(sum[j], _mm256_cvtph_ps(_mm_loadu_si128(p + i + j)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(sum[0], sum[1]));
+  float total = 0.0f;
+  for (const float x : lanes) total += x;
+  return total;
+}
+#endif
+
+void plain_read(benchmark::State& state) {
+  const int t = static_cast<int>(state.range(0));
+  const std::vector<std::byte>& bytes = data().stored[t];
+  for (auto _ : state) {
+    float s = 0.0f;
+    if (types[t] == triattn::dtype::f32) {
+      s = sum_decoded<float>(bytes, [](float x) { return x; });
+    } else if (types[t] == triattn::dtype::bf16) {
+      s = sum_decoded<std::uint16_t>(bytes, [](std::uint16_t b) { return triattn::bf16_bits_to_float(b); });
+    } else {
+#if defined(__F16C__)
+      s = sum_f16c(bytes);  // vcvtph2ps
+#else
+      s = sum_decoded<std::uint16_t>(bytes, [](std::uint16_t h) { return triattn::half_bits_to_float(h); });
+#endif
+    }
+    benchmark::DoNotOptimize(s);
+  }
+  label(state, t);
+}
+
+void score(benchmark::State& state, triattn::key_state keys) {
+  const int t = static_cast<int>(state.range(0));
+  const triattn::dense_kv_view view = data().view(t, keys);
+  const triattn::triattention policy(data().stats);
   std::vector<float> scores(std::size_t{layers} * q_heads * tokens);  // [layers, q_heads, tokens]
   for (auto _ : state) {
-    policy.score(f.view, round_start, scores);
+    policy.score(view, round_start, scores);
     benchmark::DoNotOptimize(scores.data());
   }
-  set_bytes(state);
+  label(state, t);
+  state.counters["ns_per_key"] = benchmark::Counter(static_cast<double>(state.iterations()) * kv_heads * tokens,
+                                                    benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
+void score_post(benchmark::State& state) { score(state, triattn::key_state::post_rope); }
+void score_pre(benchmark::State& state) { score(state, triattn::key_state::pre_rope); }
 
-void per_offset(benchmark::State& state) {
-  const fixture& f = data();
-  const int num_offsets = triattn::triattention_num_offsets(65536);
-  // Per offset and q-head: c_f = a q̄_f e^{i (r + o) w_f}, from F cos/sin shared by all keys.
-  std::vector<float> c_re(std::size_t{q_heads} * num_offsets * bands), c_im(c_re.size()), e(std::size_t{q_heads} * bands);
-  std::vector<float> scores(std::size_t{q_heads} * tokens);
-  std::vector<float> k_re(bands), k_im(bands), k_abs(bands);
-  for (auto _ : state) {
-    for (int h = 0; h < q_heads; ++h) {
-      const std::size_t row = f.stats.row(0, h);
-      for (int j = 0; j < num_offsets; ++j) {
-        const std::int64_t offset = triattn::triattention_offset(j);
-        double w_re[bands], w_im[bands];
-        triattn::triattention_phasors(f.stats.inv_freq.data(), bands, round_start, &offset, 1, w_re, w_im);
-        triattn::triattention_trig_coefficients(&f.stats.q_mean_real[row], &f.stats.q_mean_imag[row], w_re, w_im,
-                                                bands, 1.0, &c_re[(std::size_t(h) * num_offsets + j) * bands],
-                                                &c_im[(std::size_t(h) * num_offsets + j) * bands]);
-      }
-      triattn::triattention_norm_coefficients(&f.stats.q_mean_real[row], &f.stats.q_mean_imag[row],
-                                              &f.stats.q_abs_mean[row], bands, 1.0, &e[std::size_t(h) * bands]);
-    }
-    for (int g = 0; g < kv_heads; ++g) {
-      for (std::int64_t t = 0; t < tokens; ++t) {
-        triattn::triattention_key_bands(&f.keys[(std::size_t(g) * tokens + t) * head_dim], head_dim,
-                                        triattn::rope_style::half, k_re.data(), k_im.data(), k_abs.data());
-        for (int h = g * group; h < (g + 1) * group; ++h) {
-          float trig = 0.0f;
-          for (int j = 0; j < num_offsets; ++j) {  // 2F multiply-adds per offset
-            const float* cr = &c_re[(std::size_t(h) * num_offsets + j) * bands];
-            const float* ci = &c_im[(std::size_t(h) * num_offsets + j) * bands];
-            for (int b = 0; b < bands; ++b) trig += cr[b] * k_re[b] + ci[b] * k_im[b];
-          }
-          float norm = 0.0f;
-          for (int b = 0; b < bands; ++b) norm += e[std::size_t(h) * bands + b] * k_abs[b];
-          scores[std::size_t(h) * tokens + t] = trig / static_cast<float>(num_offsets) + norm;
-        }
-      }
-    }
-    benchmark::DoNotOptimize(scores.data());
-  }
-  set_bytes(state);
+void dtypes(benchmark::internal::Benchmark* b) {
+  b->ArgName("dtype")->Arg(0)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 }
-
-BENCHMARK(plain_read)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(folded)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(per_offset)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(stream_read)->Apply(dtypes);
+BENCHMARK(stream_copy)->Apply(dtypes);
+BENCHMARK(plain_read)->Apply(dtypes);
+BENCHMARK(score_post)->Apply(dtypes);
+BENCHMARK(score_pre)->Apply(dtypes);
 
 }  // namespace
 
