@@ -47,7 +47,7 @@ def library_ms(path, name):
     for b in run["benchmarks"]:
         if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
             continue
-        if b["name"].startswith(name):
+        if b.get("run_name", b["name"]).replace("/real_time", "") == name:
             unit = {"ms": 1.0, "us": 1e-3, "ns": 1e-6, "s": 1e3}[b["time_unit"]]
             return b["real_time"] * unit
     raise SystemExit(f"pytorch_compare: {path} has no benchmark {name}")
