@@ -2,7 +2,10 @@
 // x 128 dims x 8K tokens, bf16, HND, budget 2048, post-RoPE keys, at 1 and 2 threads
 // (benchmark argument), beside the reads and copies of the same bytes in the same run.
 //   read_kv        – K and V read once (64-bit words, 8 partial sums): the round's floor;
-//   memcpy_kept    – a memcpy of the kept rows (2048 of each (layer, kv_head), K and V);
+//   memcpy_kept    – a memcpy of as many bytes as the kept rows (2048 rows of each (layer,
+//                    kv_head), K and V), from one contiguous block;
+//   memcpy_rows    – a memcpy of each row TriAttention's round keeps, from where it lies, to a
+//                    separate buffer: the same gather as compaction, with no bookkeeping;
 //   plan/<policy>  – `plan_round`: scoring and selection;
 //   compact/<p>    – `compact` of that plan (positions and policy state included);
 //   round/<p>      – `compress`: plan and compaction, what an engine calls;
@@ -212,6 +215,31 @@ void memcpy_kept(benchmark::State& state) {
   set_bytes(state);
 }
 
+void memcpy_rows(benchmark::State& state) {
+  cache& c = kv();
+  const auto threads = static_cast<int>(state.range(0));
+  std::vector<std::uint16_t> to(std::size_t{layers} * kv_heads * budget * head_dim * 2);
+  with_policy(which::triattention, [&](auto& p) {
+    c.restore();
+    const triattn::keep_plan kept = triattn::plan_round(p, c.view, budget, context(1));
+    const std::size_t row_block = std::size_t{budget} * head_dim;
+    for (auto _ : state) {
+      triattn::threads(threads)(2 * layers * kv_heads, [&](std::int64_t i, int) {
+        const bool is_v = i >= layers * kv_heads;
+        const int r = static_cast<int>(i % (layers * kv_heads)), l = r / kv_heads, h = r % kv_heads;
+        std::uint16_t* out = to.data() + i * row_block;
+        const auto keep = kept.row(l, h);
+        for (std::size_t k = 0; k < keep.size(); ++k)
+          std::memcpy(out + k * head_dim, is_v ? c.view.value(l, h, keep[k]) : c.view.key(l, h, keep[k]),
+                      head_dim * sizeof(std::uint16_t));
+      });
+      benchmark::DoNotOptimize(to.data());
+      benchmark::ClobberMemory();
+    }
+  });
+  set_bytes(state);
+}
+
 void plan(benchmark::State& state, which w) {
   cache& c = kv();
   const auto threads = static_cast<int>(state.range(0));
@@ -278,6 +306,7 @@ void threads_arg(benchmark::internal::Benchmark* b) {
 int register_all() {
   BENCHMARK(read_kv)->Apply(threads_arg);
   BENCHMARK(memcpy_kept)->Apply(threads_arg);
+  BENCHMARK(memcpy_rows)->Apply(threads_arg);
   for (int w = 0; w < 5; ++w) {
     const auto p = static_cast<which>(w);
     benchmark::RegisterBenchmark((std::string("plan/") + names[w]).c_str(), plan, p)->Apply(threads_arg);

@@ -138,28 +138,50 @@ void move_rows(const RowFn& row, std::int64_t src, std::int64_t dst, std::int64_
   }
 }
 
-/// Compacts one (layer, kv_head): runs of consecutive keep indices move together.
+/// Gathers `keep` [m] within one array of `Bytes`-byte elements: element keep[i] to i, in
+/// ascending i (keep[i] >= i, so nothing is overwritten before it is read).
+template <std::size_t Bytes>
+void gather_elements(std::byte* base, std::span<const std::int32_t> keep, std::int64_t from) {
+  for (auto i = static_cast<std::size_t>(from); i < keep.size(); ++i)
+    std::memcpy(base + i * Bytes, base + static_cast<std::size_t>(keep[i]) * Bytes, Bytes);
+}
+
+/// Compacts one (layer, kv_head): K, then V (each a stream of reads, the source rows
+/// requested `ahead` runs early: the hardware prefetcher does not follow a gather), then
+/// positions and every state row, each in one pass over the keep indices.
 template <std::size_t Bytes, KVCacheView V>
 void compact_row(const V& view, int l, int h, std::span<const std::int32_t> keep, std::size_t row_bytes,
                  std::span<const slot_state> states) {
   const auto m = static_cast<std::int64_t>(keep.size());
-  std::int64_t i = 0;
-  while (i < m && keep[i] == i) ++i;  // the kept prefix stays where it is
-  while (i < m) {
-    std::int64_t j = i + 1;
-    while (j < m && keep[j] == keep[j - 1] + 1) ++j;
-    const std::int64_t src = keep[i], dst = i, count = j - i;
-    move_rows<Bytes>([&](std::int64_t s) { return view.key(l, h, s); }, src, dst, count, row_bytes);
-    move_rows<Bytes>([&](std::int64_t s) { return view.value(l, h, s); }, src, dst, count, row_bytes);
-    for (std::int64_t t = 0; t < count; ++t) view.position(l, h, dst + t) = view.position(l, h, src + t);
-    for (const slot_state& st : states) {
-      const auto e = static_cast<std::int64_t>(st.elem_bytes);
-      for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
-        std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * e;
-        std::memmove(base + dst * e, base + src * e, static_cast<std::size_t>(count * e));
+  std::int64_t first = 0;
+  while (first < m && keep[first] == first) ++first;  // the kept prefix stays where it is
+  const auto move_all = [&](auto row) {
+    constexpr std::int64_t ahead = 16;
+    for (std::int64_t i = first; i < m;) {
+      std::int64_t j = i + 1;
+      while (j < m && keep[j] == keep[j - 1] + 1) ++j;
+#if defined(__GNUC__)
+      if (j + ahead < m)
+        for (std::size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row(keep[j + ahead]) + b);
+#endif
+      move_rows<Bytes>(row, keep[i], i, j - i, row_bytes);
+      i = j;
+    }
+  };
+  move_all([&](std::int64_t s) { return view.key(l, h, s); });
+  move_all([&](std::int64_t s) { return view.value(l, h, s); });
+  for (std::int64_t i = first; i < m; ++i) view.position(l, h, i) = view.position(l, h, keep[i]);
+  for (const slot_state& st : states) {
+    const auto e = static_cast<std::int64_t>(st.elem_bytes);
+    for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
+      std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * e;
+      switch (st.elem_bytes) {  // the sizes of float and double state: element copies the compiler inlines
+        case 4: gather_elements<4>(base, keep, first); break;
+        case 8: gather_elements<8>(base, keep, first); break;
+        default:
+          for (std::int64_t i = first; i < m; ++i) std::memmove(base + i * e, base + keep[i] * e, static_cast<std::size_t>(e));
       }
     }
-    i = j;
   }
   view.set_length(l, h, static_cast<std::int32_t>(m));
 }

@@ -336,12 +336,17 @@ struct scaled_accessor {
     int d = 0;
 #if !defined(__CUDA_ARCH__) && defined(__F16C__)
     if constexpr (std::is_same_v<T, half_t>) {  // the hardware's conversion: exact, as the bit decode
+#if defined(__AVX512F__)
+      for (; d + 16 <= n; d += 16)
+        _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row) + d / 16)));
+#endif
       for (; d + 8 <= n; d += 8)
-        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row) + d / 8)),
-                                                _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row) + d / 8)));
     }
 #endif
-    for (; d < n; ++d) out[d] = load_as<T>(row, static_cast<std::size_t>(d)) * scale;
+    for (; d < n; ++d) out[d] = load_as<T>(row, static_cast<std::size_t>(d));
+    if (scale != 1.0f)  // x 1 is exact: unscaled caches skip the pass
+      for (d = 0; d < n; ++d) out[d] *= scale;
   }
   TRIATTN_HOST_DEVICE void store(std::byte* row, int n, const float* in) const {
     for (int d = 0; d < n; ++d) store_as<T>(row, static_cast<std::size_t>(d), in[d] / scale);

@@ -227,27 +227,38 @@ inline void softmax_rows(row_matrix& x) {
 template <KVCacheView V>
 key_map window_keys(const char* api, const V& view, int layer, int kv_head, std::int64_t n, row_matrix& scratch) {
   const kv_geometry& g = view.geometry();
-  const auto checked = [&](key_map k) {
-    if (!k.allFinite()) {
-      for (Eigen::Index s = 0; s < k.rows(); ++s)
-        for (Eigen::Index d = 0; d < k.cols(); ++d)
-          TRIATTN_CHECK(std::isfinite(k(s, d)), api, "key of layer ", layer, " kv_head ", kv_head, " slot ", s, " has ",
-                        k(s, d), " at dim ", d, ": keys must be finite");
-    }
-    return k;
+  // Every row checked as it is read (`all_finite` vectorises; Eigen's allFinite over a strided
+  // map does not); the element is looked for only in a row that fails.
+  const auto check_row = [&](std::int64_t s, const float* row) {
+    if (all_finite(row, g.head_dim)) return;
+    for (int d = 0; d < g.head_dim; ++d)
+      TRIATTN_CHECK(std::isfinite(row[d]), api, "key of layer ", layer, " kv_head ", kv_head, " slot ", s, " has ",
+                    row[d], " at dim ", d, ": keys must be finite");
   };
   if constexpr (std::is_same_v<V, dense_kv_view>) {
-    if (g.type == dtype::f32 && g.k_scale == 1.0f && g.keys == key_state::post_rope)
+    if (g.type == dtype::f32 && g.k_scale == 1.0f && g.keys == key_state::post_rope) {
       // rows of one (layer, kv_head) are `token` floats apart
-      return checked(key_map(reinterpret_cast<const float*>(view.key(layer, kv_head, 0)), n, g.head_dim,
-                             Eigen::OuterStride<>(view.k_stride.token)));
+      const auto* base = reinterpret_cast<const float*>(view.key(layer, kv_head, 0));
+      for (std::int64_t s = 0; s < n; ++s) check_row(s, base + s * view.k_stride.token);
+      return key_map(base, n, g.head_dim, Eigen::OuterStride<>(view.k_stride.token));
+    }
   }
   scratch.resize(n, g.head_dim);
-  for (std::int64_t s = 0; s < n; ++s) load_key(view, layer, kv_head, s, scratch.row(s).data());
-  const key_map k = checked(key_map(scratch.data(), n, g.head_dim, Eigen::OuterStride<>(g.head_dim)));
-  if (g.keys == key_state::pre_rope)
-    for (std::int64_t s = 0; s < n; ++s) rope_rotate(g.rope, scratch.row(s).data(), g.head_dim, view.position(layer, kv_head, s));
-  return k;
+  const auto decode = [&](const auto& keys) {
+    for (std::int64_t s = 0; s < n; ++s) {
+      float* row = scratch.row(s).data();
+      keys.load(view.key(layer, kv_head, s), g.head_dim, row);
+      check_row(s, row);
+      if (g.keys == key_state::pre_rope) rope_rotate(g.rope, row, g.head_dim, view.position(layer, kv_head, s));
+    }
+  };
+  const auto keys = key_accessor_of(view, layer);
+  if constexpr (std::is_same_v<std::remove_cv_t<decltype(keys)>, dtype_accessor>) {
+    visit_dtype(keys.type, [&]<class T>() { decode(scaled_accessor<T>{keys.scale}); });  // one dispatch per row set
+  } else {
+    decode(keys);
+  }
+  return key_map(scratch.data(), n, g.head_dim, Eigen::OuterStride<>(g.head_dim));
 }
 
 /// Error prefixes of a window policy's calls ("triattn::snapkv::plan", ...).

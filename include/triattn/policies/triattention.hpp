@@ -234,34 +234,55 @@ class triattention : public policy_base<triattention> {
       }
       const std::int32_t n = view_.length(l, kvh);
       raw.resize(static_cast<std::size_t>(G) * n);
-      // Keys in blocks of 4: their features side by side, then each q-head's coefficients
-      // against the whole block (`triattention_block_scores`).
-      constexpr int block = 4;
+      const auto keys = key_accessor_of(view_, l);
+      if constexpr (std::is_same_v<std::remove_cv_t<decltype(keys)>, dtype_accessor>) {
+        // one dispatch per row, then the typed decode inlined into the key loop
+        visit_dtype(keys.type, [&]<class T>() { score_keys(scaled_accessor<T>{keys.scale}, l, kvh, n, R); });
+      } else {
+        score_keys(keys, l, kvh, n, R);
+      }
+    }
+
+    /// The raw scores of the n keys of (l, kvh), read through `keys`: blocks of keys, their
+    /// features side by side [block, 3F], then every q-head against the block.
+    template <class Accessor>
+    void score_keys(const Accessor& keys, int l, int kvh, std::int32_t n, int R) {
+      constexpr int block = 16;
+      const int D = g_.head_dim, F = D / 2, G = g_.group_size();
+      const int row_bytes = D * static_cast<int>(dtype_bytes(g_.type));
       key_.resize(static_cast<std::size_t>(D));
       x_.resize(static_cast<std::size_t>(block) * 3 * F);  // [block, 3F]
-      const auto keys = key_accessor_of(view_, l);
-      float block_out[block];
       for (std::int32_t s0 = 0; s0 < n; s0 += block) {
         const int m = static_cast<int>(std::min<std::int32_t>(block, n - s0));
         for (int k = 0; k < m; ++k) {
           const std::int32_t s = s0 + k;
           float* x = x_.data() + static_cast<std::ptrdiff_t>(k) * 3 * F;
-          keys.load(view_.key(l, kvh, s), D, key_.data());
-          if (!all_finite(key_.data(), D)) report_non_finite(l, kvh, s);
-          triattention_key_features(key_.data(), D, g_.rope.style, x);
+          // half pairing: the row is already [re | im], decoded straight into the features
+          float* row = g_.rope.style == rope_style::half ? x : key_.data();
+          if (s + block < n) prefetch(view_.key(l, kvh, s + block), row_bytes);
+          keys.load(view_.key(l, kvh, s), D, row);
+          if (row != x) triattention_key_features(row, D, g_.rope.style, x);
           if (g_.keys == key_state::pre_rope) rotate_to(view_.position(l, kvh, s), x);
           triattention_key_moduli(x, F);
         }
-        for (int gi = 0; gi < G; ++gi) {
-          const float* c = coef_.data() + static_cast<std::ptrdiff_t>(gi) * R;
-          float* to = raw.data() + static_cast<std::ptrdiff_t>(gi) * n + s0;
-          if (sets_ == 1) {
-            triattention_block_scores(c, x_.data(), 3 * F, m, F, block_out);
-            std::copy_n(block_out, m, to);
-          } else {
-            for (int k = 0; k < m; ++k) to[k] = triattention_key_score(c, sets_, x_.data() + k * 3 * F, F);
-          }
+        float* to = raw.data() + s0;
+        if (sets_ == 1) {
+          triattention_block_scores(coef_.data(), R, G, x_.data(), 3 * F, m, F, to, n);
+        } else {
+          for (int gi = 0; gi < G; ++gi)
+            for (int k = 0; k < m; ++k)
+              to[static_cast<std::ptrdiff_t>(gi) * n + k] = triattention_key_score(
+                  coef_.data() + static_cast<std::ptrdiff_t>(gi) * R, sets_, x_.data() + k * 3 * F, F);
         }
+        // A non-finite element makes every score of its key non-finite (NaN or inf times any
+        // coefficient, 0 included, is not finite; its modulus too), so the scores are checked
+        // instead of the elements; a finite key whose score overflows is not an error.
+        for (int gi = 0; gi < G; ++gi)
+          if (!all_finite(to + static_cast<std::ptrdiff_t>(gi) * n, m))
+            for (int k = 0; k < m; ++k) {
+              keys.load(view_.key(l, kvh, s0 + k), D, key_.data());
+              if (!all_finite(key_.data(), D)) report_non_finite(key_.data(), l, kvh, s0 + k);
+            }
       }
     }
 
@@ -295,7 +316,6 @@ class triattention : public policy_base<triattention> {
     // for the bytes the cache's positions use and shared by the workers' copies.
     std::shared_ptr<const std::vector<float>> chunk_re_, chunk_im_;
     int chunks_ = 0;
-    std::vector<float> phasor_re_, phasor_im_;
 
     void build_chunk_tables(const std::vector<double>& w) {
       const int F = g_.head_dim / 2;
@@ -313,28 +333,39 @@ class triattention : public policy_base<triattention> {
     }
 
     /// Rotates the bands in `x` to position p (pre-RoPE keys): the product of p's byte factors.
-    void rotate_to(std::int64_t p, float* x) {
+    void rotate_to(std::int64_t p, float* x) const {
       const int F = g_.head_dim / 2;
       const int c = triattention_position_chunks(p);
       TRIATTN_CHECK(p >= 0 && c <= chunks_, api_, "position ", p, " is outside the cache's positions");
-      phasor_re_.resize(static_cast<std::size_t>(F));
-      phasor_im_.resize(static_cast<std::size_t>(F));
-      const auto entry = [&](int k) {
-        return static_cast<std::size_t>(k * triattention_chunk_values + ((p >> (triattention_chunk_bits * k)) & 0xff)) * F;
-      };
-      const float *re0 = chunk_re_->data() + entry(0), *im0 = chunk_im_->data() + entry(0);
-      std::copy_n(re0, F, phasor_re_.data());
-      std::copy_n(im0, F, phasor_im_.data());
-      for (int k = 1; k < c; ++k) {
-        const float *re = chunk_re_->data() + entry(k), *im = chunk_im_->data() + entry(k);
-        for (int f = 0; f < F; ++f) triattention_phasor_multiply(phasor_re_[f], phasor_im_[f], re[f], im[f]);
+      const float* re[triattention_max_chunks];
+      const float* im[triattention_max_chunks];
+      for (int k = 0; k < c; ++k) {
+        const auto at = static_cast<std::size_t>(k * triattention_chunk_values + ((p >> (triattention_chunk_bits * k)) & 0xff)) * F;
+        re[k] = chunk_re_->data() + at;
+        im[k] = chunk_im_->data() + at;
       }
-      triattention_rotate_features(x, phasor_re_.data(), phasor_im_.data(), F);
+      switch (c) {
+        case 1: triattention_rotate_by_chunks<1>(x, re, im, F); break;
+        case 2: triattention_rotate_by_chunks<2>(x, re, im, F); break;
+        case 3: triattention_rotate_by_chunks<3>(x, re, im, F); break;
+        default: triattention_rotate_by_chunks<4>(x, re, im, F); break;
+      }
     }
 
-    [[noreturn]] void report_non_finite(int l, int kvh, std::int32_t s) const {
+    /// Asks for the key row a block ahead: keys stream from memory with a block of arithmetic
+    /// between two reads, and the hardware prefetcher alone leaves the loads waiting.
+    static void prefetch(const std::byte* row, int bytes) {
+#if defined(__GNUC__)
+      for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+#else
+      (void)row;
+      (void)bytes;
+#endif
+    }
+
+    [[noreturn]] void report_non_finite(const float* key, int l, int kvh, std::int32_t s) const {
       for (int d = 0; d < g_.head_dim; ++d)
-        TRIATTN_CHECK(std::isfinite(key_[d]), api_, "key of layer ", l, " kv_head ", kvh, " slot ", s, " has ", key_[d],
+        TRIATTN_CHECK(std::isfinite(key[d]), api_, "key of layer ", l, " kv_head ", kvh, " slot ", s, " has ", key[d],
                       " at dim ", d, ": keys must be finite");
       detail::fail(api_, "layer ", l, " kv_head ", kvh, " slot ", s, ": key is not finite");  // not reached
     }

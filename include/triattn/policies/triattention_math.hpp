@@ -152,7 +152,8 @@ TRIATTN_HOST_DEVICE int triattention_position_chunks(std::int64_t p) {
   return c;
 }
 
-/// Multiplies the phasor (re, im) by (b_re, b_im) in place, in float.
+/// Multiplies the complex number (re, im) by (b_re, b_im) in place, in float: a product of
+/// phasors, or a band rotated by one.
 TRIATTN_HOST_DEVICE void triattention_phasor_multiply(float& re, float& im, float b_re, float b_im) {
   const float r = re * b_re - im * b_im;
   im = re * b_im + im * b_re;
@@ -173,10 +174,23 @@ TRIATTN_HOST_DEVICE void triattention_position_phasor(double w, std::int64_t p, 
 /// Rotates the bands of `x` [re | im] by the phasors `p_re`, `p_im` [F]: K_f = p_f κ_f.
 TRIATTN_HOST_DEVICE void triattention_rotate_features(float* x, const float* p_re, const float* p_im, int num_bands) {
   const int F = num_bands;
+  for (int f = 0; f < F; ++f) triattention_phasor_multiply(x[f], x[F + f], p_re[f], p_im[f]);
+}
+
+/// Rotates the bands of `x` by the product of `Chunks` table rows (`re[k]`, `im[k]` [F]: the
+/// factor of byte k), formed per band as `triattention_position_phasor` forms it (byte 0
+/// times byte 1, times byte 2, ...), without storing the product.
+template <int Chunks>
+TRIATTN_HOST_DEVICE void triattention_rotate_by_chunks(float* x, const float* const* re, const float* const* im,
+                                                       int num_bands) {
+  const int F = num_bands;
   for (int f = 0; f < F; ++f) {
-    const float re = x[f], im = x[F + f];
-    x[f] = re * p_re[f] - im * p_im[f];
-    x[F + f] = re * p_im[f] + im * p_re[f];
+    float p_re = re[0][f], p_im = im[0][f];
+    for (int k = 1; k < Chunks; ++k) triattention_phasor_multiply(p_re, p_im, re[k][f], im[k][f]);
+    float a = x[f], b = x[F + f];
+    triattention_phasor_multiply(a, b, p_re, p_im);
+    x[f] = a;
+    x[F + f] = b;
   }
 }
 
@@ -218,52 +232,90 @@ TRIATTN_HOST_DEVICE float triattention_key_score(const float* coef, int num_sets
   return trig + detail::triattention_dot(coef + 2 * num_sets * F, x + 2 * F, F);
 }
 
-/// Scores of `keys` <= 4 keys (features `x` [keys][3F], `x_stride` floats apart) against one
-/// q-head's single-set coefficient row `coef` [3F] into `out` [keys]: each the float
-/// `triattention_key_score(coef, 1, x_k, F)` gives (the same 16 partial sums, the same
-/// order), with each coefficient load shared by the block's keys.
-TRIATTN_HOST_DEVICE void triattention_block_scores(const float* coef, const float* x, int x_stride, int keys,
-                                                   int num_bands, float* out) {
-  constexpr int lanes = 16, block = 4;
-  const int n = 3 * num_bands;
-  if (keys < block) {
-    for (int k = 0; k < keys; ++k) out[k] = detail::triattention_dot(coef, x + k * x_stride, n);
-    return;
-  }
+namespace detail {
 #if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
-  if (n % lanes == 0) {  // one zmm holds the 16 partial sums; the tree below is the scalar one's
-    __m512 acc[block] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int i = 0; i < n; i += lanes) {
-      const __m512 c = _mm512_loadu_ps(coef + i);
-      for (int k = 0; k < block; ++k) {
+/// The 16 partial sums of each of 4 accumulators reduced by `triattention_dot`'s tree (lane
+/// j += lane j + 8, then j + 4, j + 2, j + 1), the four at once, into `out` [4]. Two-source
+/// permutes only: GCC 12 warns (-Wuninitialized) on the intrinsics with an undefined operand.
+inline void triattention_reduce4x16(const __m512 (&acc)[4], float* out) {
+  const auto idx = [](int a, int b, int c, int d, int e, int f, int g, int h, int i, int j, int k, int l, int m, int n,
+                      int o, int p) { return _mm512_setr_epi32(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p); };
+  const __m512i lo8 = idx(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi8 = idx(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // [a + a >> 8 | b + b >> 8], [c ... | d ...]: 8 lanes per key
+  const __m512 ab = _mm512_add_ps(_mm512_permutex2var_ps(acc[0], lo8, acc[1]), _mm512_permutex2var_ps(acc[0], hi8, acc[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_permutex2var_ps(acc[2], lo8, acc[3]), _mm512_permutex2var_ps(acc[2], hi8, acc[3]));
+  // 4 lanes per key: lane j + lane j + 4
+  const __m512i lo4 = idx(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi4 = idx(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512 w4 = _mm512_add_ps(_mm512_permutex2var_ps(ab, lo4, cd), _mm512_permutex2var_ps(ab, hi4, cd));
+  // lane j + lane j + 2, then lane 0 + lane 1, in each key's group of 4
+  const __m512i up2 = idx(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  const __m512 w2 = _mm512_add_ps(w4, _mm512_permutex2var_ps(w4, up2, w4));
+  const __m512i up1 = idx(1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13);
+  const __m512 w1 = _mm512_add_ps(w2, _mm512_permutex2var_ps(w2, up1, w2));
+  _mm512_mask_compressstoreu_ps(out, 0x1111, w1);  // lanes 0, 4, 8, 12: the four sums
+}
+
+/// 4 keys x `Heads` q-heads in registers: each x load serves every head, each coefficient
+/// load every key (16 + 4 + 1 of the 32 zmm registers at 4 heads).
+template <int Heads>
+inline void triattention_block_avx512(const float* coef, int coef_stride, const float* x, int x_stride, int n,
+                                      float* out, std::int64_t out_stride) {
+  __m512 acc[4][Heads];
+  for (int k = 0; k < 4; ++k)
+    for (int g = 0; g < Heads; ++g) acc[k][g] = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    __m512 xv[4];
+    for (int k = 0; k < 4; ++k) xv[k] = _mm512_loadu_ps(x + k * x_stride + i);
+    for (int g = 0; g < Heads; ++g) {
+      const __m512 c = _mm512_loadu_ps(coef + g * coef_stride + i);
+      for (int k = 0; k < 4; ++k) {
 #if defined(__FMA__)  // what the compiler's contraction makes of the scalar `part += a * b`
-        acc[k] = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + k * x_stride + i), acc[k]);
+        acc[k][g] = _mm512_fmadd_ps(c, xv[k], acc[k][g]);
 #else
-        acc[k] = _mm512_add_ps(acc[k], _mm512_mul_ps(c, _mm512_loadu_ps(x + k * x_stride + i)));
+        acc[k][g] = _mm512_add_ps(acc[k][g], _mm512_mul_ps(c, xv[k]));
 #endif
       }
     }
-    for (int k = 0; k < block; ++k) {
-      const __m256 w8 = _mm256_add_ps(_mm512_castps512_ps256(acc[k]),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[k]), 1)));
-      const __m128 w4 = _mm_add_ps(_mm256_castps256_ps128(w8), _mm256_extractf128_ps(w8, 1));
-      const __m128 w2 = _mm_add_ps(w4, _mm_movehl_ps(w4, w4));
-      out[k] = _mm_cvtss_f32(_mm_add_ss(w2, _mm_shuffle_ps(w2, w2, 1)));
-    }
-    return;
   }
+  for (int g = 0; g < Heads; ++g) {
+    const __m512 keys[4] = {acc[0][g], acc[1][g], acc[2][g], acc[3][g]};
+    triattention_reduce4x16(keys, out + g * out_stride);
+  }
+}
 #endif
-  float part[block][lanes] = {};
-  int i = 0;
-  for (; i + lanes <= n; i += lanes)
-    for (int k = 0; k < block; ++k)
-      for (int j = 0; j < lanes; ++j) part[k][j] += coef[i + j] * x[k * x_stride + i + j];
-  for (int k = 0; k < block; ++k) {
-    for (int j = 0; i + j < n; ++j) part[k][j] += coef[i + j] * x[k * x_stride + i + j];
-    for (int width = lanes / 2; width >= 1; width /= 2)
-      for (int j = 0; j < width; ++j) part[k][j] += part[k][j + width];
-    out[k] = part[k][0];
-  }
+}  // namespace detail
+
+/// Scores of `keys` keys (features `x` [keys][3F], `x_stride` floats apart) against `heads`
+/// q-heads' single-set coefficient rows (`coef` [heads][coef_stride], 3F used) into `out`
+/// [heads][out_stride]: each the float `triattention_key_score(coef_g, 1, x_k, F)` gives (the
+/// same 16 partial sums in the same order). On AVX-512 hosts, 4 keys at a time against up to
+/// 4 heads in registers; elsewhere one dot product per (key, head).
+TRIATTN_HOST_DEVICE void triattention_block_scores(const float* coef, int coef_stride, int heads, const float* x,
+                                                   int x_stride, int keys, int num_bands, float* out,
+                                                   std::int64_t out_stride) {
+  const int n = 3 * num_bands;
+  int k0 = 0;
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+  if (n % 16 == 0)
+    for (; k0 + 4 <= keys; k0 += 4)
+      for (int g0 = 0; g0 < heads; g0 += 4) {
+        const float* c = coef + static_cast<std::ptrdiff_t>(g0) * coef_stride;
+        const float* xk = x + static_cast<std::ptrdiff_t>(k0) * x_stride;
+        float* o = out + g0 * out_stride + k0;
+        switch (heads - g0 < 4 ? heads - g0 : 4) {
+          case 1: detail::triattention_block_avx512<1>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
+          case 2: detail::triattention_block_avx512<2>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
+          case 3: detail::triattention_block_avx512<3>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
+          default: detail::triattention_block_avx512<4>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
+        }
+      }
+#endif
+  for (int g = 0; g < heads; ++g)
+    for (int k = k0; k < keys; ++k)
+      out[g * out_stride + k] = detail::triattention_dot(coef + static_cast<std::ptrdiff_t>(g) * coef_stride,
+                                                         x + static_cast<std::ptrdiff_t>(k) * x_stride, n);
 }
 
 /// One candidate's term of a row's sum of squared deviations from the row's mean, in double.
