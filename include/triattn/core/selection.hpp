@@ -49,14 +49,15 @@ TRIATTN_HOST_DEVICE std::uint32_t rank_key(float score, bool protected_slot) {
 /// merging protected slots (see `select_keep`).
 inline std::int64_t top_k_append(std::span<const float> scores, std::int64_t k, std::span<const bool> candidate,
                                  std::vector<std::int32_t>& out) {
-  std::vector<std::int32_t> idx;
-  idx.reserve(scores.size());
+  // One 64-bit key per candidate, `rank_key` above the slot: ascending keys are `ranks_before`
+  // order, ties to the lower slot, so the selection compares integers in one array.
+  std::vector<std::uint64_t> keys;
+  keys.reserve(scores.size());
   for (std::size_t i = 0; i < scores.size(); ++i)
-    if (candidate.empty() || candidate[i]) idx.push_back(static_cast<std::int32_t>(i));
-  const std::int64_t take = std::clamp<std::int64_t>(k, 0, static_cast<std::int64_t>(idx.size()));
-  const auto before = [&](std::int32_t a, std::int32_t b) { return ranks_before(scores[a], a, scores[b], b); };
-  std::nth_element(idx.begin(), idx.begin() + take, idx.end(), before);
-  out.insert(out.end(), idx.begin(), idx.begin() + take);
+    if (candidate.empty() || candidate[i]) keys.push_back(std::uint64_t{rank_key(scores[i], false)} << 32 | i);
+  const std::int64_t take = std::clamp<std::int64_t>(k, 0, static_cast<std::int64_t>(keys.size()));
+  std::nth_element(keys.begin(), keys.begin() + take, keys.end());
+  for (std::int64_t i = 0; i < take; ++i) out.push_back(static_cast<std::int32_t>(keys[static_cast<std::size_t>(i)] & 0xffffffffu));
   return take;
 }
 
@@ -125,7 +126,30 @@ inline void pool1d(std::span<const float> x, std::span<float> out, int kernel, p
   TRIATTN_CHECK(out.size() == x.size(), "triattn::pool1d", "output size ", out.size(), " differs from input size ",
                 x.size());
   const auto n = static_cast<std::int64_t>(x.size());
-  for (std::int64_t j = 0; j < n; ++j) out[j] = pool_at(x.data(), n, j, kernel, kind);
+  const std::int64_t r = kernel / 2;
+  if (n <= 2 * r) {
+    for (std::int64_t j = 0; j < n; ++j) out[j] = pool_at(x.data(), n, j, kernel, kind);
+    return;
+  }
+  // The interior [r, n - r) window by window offset, so that the loop over j vectorises: the
+  // same operations in the same order as `pool_at` (which the edges use).
+  float* o = out.data() + r;
+  const std::int64_t m = n - 2 * r;
+  std::fill_n(o, m, kind == pooling::max ? -INFINITY : 0.0f);
+  for (int k = 0; k < kernel; ++k) {
+    const float* xs = x.data() + k;  // x[j - r + k] for output j = r + t
+    if (kind == pooling::max) {
+      for (std::int64_t t = 0; t < m; ++t) o[t] = xs[t] > o[t] ? xs[t] : o[t];
+    } else {
+      for (std::int64_t t = 0; t < m; ++t) o[t] += xs[t];
+    }
+  }
+  if (kind == pooling::avg)
+    for (std::int64_t t = 0; t < m; ++t) o[t] /= static_cast<float>(kernel);
+  for (std::int64_t j = 0; j < r; ++j) {
+    out[j] = pool_at(x.data(), n, j, kernel, kind);
+    out[n - 1 - j] = pool_at(x.data(), n, n - 1 - j, kernel, kind);
+  }
 }
 
 /// Slots that are kept whatever their score. A slot of a (layer, kv_head) holding `n` slots
