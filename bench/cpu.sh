@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU benchmarks of issue 14 in one run: builds them (-march=native, Release), runs both
-# (medians of 3 repetitions), prints the ratios README quotes, then the PyTorch comparison
-# (skipped with a message when no python3 on PATH or /usr/bin has torch).
+# (medians of 5 repetitions, interleaved in random order so that a machine that slows down
+# slows every benchmark alike, 1 s each), prints the ratios README quotes, then the PyTorch
+# comparison (skipped with a message when no python3 on PATH or /usr/bin has torch).
 #
 #   bench/cpu.sh [OUT_DIR]      # JSON runs land in OUT_DIR (default build/bench-cpu)
 set -euo pipefail
@@ -12,13 +13,15 @@ cmake -S "$root" -B "$root/build/bench-cpu-build" -DCMAKE_BUILD_TYPE=Release -DT
   -DTRIATTN_BUILD_EXAMPLES=OFF -DTRIATTN_BUILD_TOOLS=OFF -DTRIATTN_ENABLE_CUDA=OFF -DTRIATTN_BENCH_NATIVE=ON >/dev/null
 cmake --build "$root/build/bench-cpu-build" -j 2 --target triattn_bench_triattention triattn_bench_round >/dev/null
 for b in triattention round; do
-  "$root/build/bench-cpu-build/bench/triattn_bench_$b" --benchmark_repetitions=3 \
-    --benchmark_report_aggregates_only=true --benchmark_out="$out/$b.json" --benchmark_out_format=json >&2
+  "$root/build/bench-cpu-build/bench/triattn_bench_$b" --benchmark_repetitions=5 --benchmark_min_time=1 \
+    --benchmark_enable_random_interleaving=true --benchmark_report_aggregates_only=true \
+    --benchmark_out="$out/$b.json" --benchmark_out_format=json >&2
 done
 py=python3
 for p in python3 /usr/bin/python3; do
   if "$p" -c 'import torch' 2>/dev/null; then py=$p; break; fi
 done
+echo "$(lscpu | grep -m1 'Model name' | sed 's/  */ /g'); $(nproc) CPUs; $(grep -q -w avx512f /proc/cpuinfo && echo AVX-512 || echo no AVX-512)"
 python3 "$root/bench/cpu_ratios.py" "$out/triattention.json" "$out/round.json"
 echo
 for th in 1 2; do "$py" "$root/bench/pytorch_compare.py" --threads $th "$out/triattention.json" "$out/round.json"; done

@@ -8,8 +8,9 @@ TRIATTENTION_JSON and ROUND_JSON are Google Benchmark JSON runs of triattn_bench
 and triattn_bench_round (bench/cpu.sh writes both). Two measurements in PyTorch:
 
   fold    the TriAttention fold on 1 layer x 8 kv-heads x 4 q-heads x 128 dims x 32K tokens:
-          features [Re | Im | |K|] of every key, one batched product with the coefficients
-          (the library's `score_post` of the same shape);
+          the trig term as one batched product of the coefficients with the keys, the norm
+          term as a second one with the band moduli (torch.hypot), added by baddbmm (the
+          library's `score_post` of the same shape, f32 keys);
   snapkv  kvpress-style SnapKV on 36 layers x 8 kv-heads x 4 q-heads x 128 dims x 8K tokens,
           window 8, kernel 7: window queries against the keys repeated over the GQA group,
           causal mask in the window, fp32 softmax, mean over the window, max pooling, mean
@@ -64,12 +65,11 @@ def fold(dtype):
 
     def run():
         c = q_mean * phasor  # [kv, group, F]
-        e = (q_mean.abs() * 0.5).float()
-        coef = torch.cat([c.real, c.imag, e], -1)  # [kv, group, 3F]
+        trig = torch.cat([c.real, c.imag], -1)  # [kv, group, D]: Re(c conj K) = c_re K_re + c_im K_im
+        e = (q_mean.abs() * 0.5).float()  # [kv, group, F]
         k = keys.float()
-        re, im = k[..., : dim // 2], k[..., dim // 2 :]
-        x = torch.cat([k, torch.sqrt(re * re + im * im)], -1)  # [kv, tokens, 3F]
-        return torch.bmm(coef, x.transpose(1, 2))  # [kv, group, tokens]
+        modulus = torch.hypot(k[..., : dim // 2], k[..., dim // 2 :])  # [kv, tokens, F]
+        return torch.baddbmm(torch.bmm(trig, k.transpose(1, 2)), e, modulus.transpose(1, 2))  # [kv, group, tokens]
 
     return median_ms(run)
 
