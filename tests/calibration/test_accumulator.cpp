@@ -364,4 +364,10 @@ TEST_CASE("merge refuses a different model or an open trace", "[accumulator][err
   open.add_pre_rope(1, std::vector<float>(32, 1.0f));
   CHECK_THAT(merge_error(open), Contains("open trace of 1 tokens") && Contains("end_trace"));
   CHECK(acc.num_traces() == 0);  // nothing was merged by the failed calls
+
+  // Issue 15: a.merge(a) counted every trace twice, silently.
+  for (int l = 0; l < 2; ++l) acc.add_pre_rope(l, std::vector<float>(32, 1.0f));
+  acc.end_trace();
+  CHECK_THAT(merge_error(acc), Contains("triattn::query_stats_accumulator::merge") && Contains("merge itself"));
+  CHECK(acc.num_traces() == 1);
 }

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "support/random.hpp"
@@ -178,4 +180,33 @@ TEST_CASE("keep_plan::shared gives every (layer, kv_head) the same row") {
   REQUIRE(plan.rows() == static_cast<std::size_t>(layers * heads));
   for (int l = 0; l < layers; ++l)
     for (int h = 0; h < heads; ++h) CHECK(index_list(plan.row(l, h).begin(), plan.row(l, h).end()) == keep);
+}
+
+TEST_CASE("a hand-built plan whose offsets do not frame its indices is refused, the cache untouched") {
+  // Issue 15: `offsets` was never checked against `indices`; the validator then read past the
+  // index array and compact would have written through it.
+  auto g = triattn_test::rng(404);
+  test_cache c(triattn_test::random_shape(g, triattn_test::cache_layout::dense_nhd, triattn::dtype::f32, 1), g);
+  const auto good = random_plan(c, g, 0);
+  const auto check_refused = [&](triattn::keep_plan bad, const std::string& want) {
+    const auto before = c.snapshot();
+    INFO(want);
+    CHECK_THROWS_WITH(c.with_view([&](const auto& view) { return triattn::compact(view, bad); }),
+                      Catch::Contains("triattn::compact") && Catch::Contains(want));
+    CHECK(c.snapshot() == before);
+  };
+  auto past = good;
+  past.offsets.back() += 1000;  // the last row reaches past the indices
+  check_refused(past, "offsets must run from 0");
+  auto shifted = good;
+  shifted.offsets.front() = 1;
+  check_refused(shifted, "offsets must run from 0");
+  auto none = good;
+  none.offsets.clear();  // rows() would underflow
+  check_refused(none, "offsets must run from 0");
+  if (good.offsets.size() > 2) {
+    auto decreasing = good;
+    std::swap(decreasing.offsets[1], decreasing.offsets[2]);
+    if (decreasing.offsets[1] != decreasing.offsets[2]) check_refused(decreasing, "offsets decrease");
+  }
 }

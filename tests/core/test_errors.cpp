@@ -131,6 +131,15 @@ std::vector<bad_view<V>> common_bad_views(test_cache& c, std::vector<std::byte*>
       {"null positions", [](V& v) { v.slots.positions = nullptr; }, {"positions is null"}},
       {"num_q_heads not a multiple of num_kv_heads", [](V& v) { v.geo.num_q_heads = 3; }, {"num_q_heads 3"}},
       {"zero layers", [](V& v) { v.geo.num_layers = 0; }, {"num_layers 0"}},
+      // Issue 15: rows were counted as num_layers * num_kv_heads in int (overflow, then reads
+      // of lengths far past their array).
+      {"layers x kv_heads past int",
+       [](V& v) {
+         v.geo.num_layers = 65536;
+         v.geo.num_kv_heads = 65536;
+         v.geo.num_q_heads = 65536;
+       },
+       {"num_layers 65536", "below 2^31"}},
       {"odd rotary_dim", [](V& v) { v.geo.rope.rotary_dim = 5; }, {"rotary_dim 5"}},
       {"rotary_dim > head_dim", [](V& v) { v.geo.rope.rotary_dim = 10; }, {"rotary_dim 10"}},
       {"rope theta 1", [](V& v) { v.geo.rope.theta = 1.0; }, {"theta 1"}},
@@ -174,6 +183,22 @@ TEST_CASE("a malformed paged view is rejected by every entry point, untouched") 
     }();
     bads.push_back({"negative page id", [&](triattn::paged_kv_view& v) { v.block_table = negative_table.data(); },
                     {"block_table[" + std::to_string(blocks - 1) + "] = -7"}});
+    // Issue 15: an id past the pool segfaulted in compact; a repeated id aliased two blocks.
+    const std::vector<std::int32_t> past_pool = [&] {
+      auto t = c.block_table;
+      t.front() = c.pool_pages();
+      return t;
+    }();
+    bads.push_back({"page id past the pool", [&](triattn::paged_kv_view& v) { v.block_table = past_pool.data(); },
+                    {"block_table[0] = " + std::to_string(c.pool_pages()), "[0, " + std::to_string(c.pool_pages()) + ")"}});
+    const std::vector<std::int32_t> repeated = [&] {
+      auto t = c.block_table;
+      t.back() = t.front();
+      return t;
+    }();
+    bads.push_back({"a page id twice", [&](triattn::paged_kv_view& v) { v.block_table = repeated.data(); },
+                    {"page " + std::to_string(c.block_table.front()) + " appears twice"}});
+    bads.push_back({"no pool size", [](triattn::paged_kv_view& v) { v.num_pages = 0; }, {"num_pages 0"}});
     for (const auto& bad : bads) {
       INFO(layout_name(layout) << ": " << bad.name);
       auto v = c.paged_view();

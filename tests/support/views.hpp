@@ -166,7 +166,7 @@ class test_cache {
                         ? triattn::kv_strides::paged_hnd(shape_.page_size, shape_.num_kv_heads, shape_.head_dim)
                         : triattn::kv_strides::paged_nhd(shape_.page_size, shape_.num_kv_heads, shape_.head_dim);
     return {geometry(), k_ptrs_.data(), v_ptrs_.data(), st, st, block_table.data(),
-            static_cast<std::int32_t>(block_table.size()), shape_.page_size, slots()};
+            static_cast<std::int32_t>(block_table.size()), shape_.page_size, pool_pages_, slots()};
   }
   /// Calls `f` with the view of this cache's layout.
   template <class F>

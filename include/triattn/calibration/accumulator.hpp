@@ -114,10 +114,13 @@ class query_stats_accumulator {
   }
 
   /// Adds the closed traces of `other`, which must describe the same model (layers, heads,
-  /// head_dim, pairing, inverse frequencies, attention scale) and have no open trace.
+  /// head_dim, pairing, inverse frequencies, attention scale), have no open trace and be
+  /// another object (`a.merge(a)` is refused).
   /// This accumulator's open trace, if any, stays open.
   void merge(const query_stats_accumulator& other) {
     constexpr const char* api = "triattn::query_stats_accumulator::merge";
+    // a.merge(a) would count every trace twice, silently
+    TRIATTN_CHECK(&other != this, api, "an accumulator cannot merge itself: its traces would count twice");
     TRIATTN_CHECK(other.num_layers_ == num_layers_, api, "num_layers ", other.num_layers_, " != ", num_layers_);
     TRIATTN_CHECK(other.num_q_heads_ == num_q_heads_, api, "num_q_heads ", other.num_q_heads_, " != ", num_q_heads_);
     TRIATTN_CHECK(other.num_kv_heads_ == num_kv_heads_, api, "num_kv_heads ", other.num_kv_heads_,

@@ -54,7 +54,7 @@ struct keep_plan {
   /// The same keep set for every (layer, kv_head).
   static keep_plan shared(int layers, int kv_heads, std::span<const std::int32_t> keep) {
     keep_plan p(layers, kv_heads);
-    for (int r = 0; r < layers * kv_heads; ++r) p.push_row(keep);
+    for (std::int64_t r = 0; r < std::int64_t{layers} * kv_heads; ++r) p.push_row(keep);
     return p;
   }
 };
@@ -91,6 +91,14 @@ struct compaction_result {
 template <KVCacheView V>
 void validate_plan(const char* api, const V& view, const keep_plan& plan) {
   const kv_geometry& g = view.geometry();
+  // The CSR arrays first: a hand-built plan's offsets must frame `indices` exactly before any
+  // row is read through them.
+  TRIATTN_CHECK(!plan.offsets.empty() && plan.offsets.front() == 0 &&
+                    plan.offsets.back() == static_cast<std::int64_t>(plan.indices.size()),
+                api, "keep plan offsets must run from 0 to the ", plan.indices.size(), " indices");
+  for (std::size_t r = 1; r < plan.offsets.size(); ++r)
+    TRIATTN_CHECK(plan.offsets[r] >= plan.offsets[r - 1], api, "keep plan offsets decrease at row ", r - 1, ": ",
+                  plan.offsets[r - 1], " then ", plan.offsets[r]);
   TRIATTN_CHECK(plan.num_layers == g.num_layers && plan.num_kv_heads == g.num_kv_heads &&
                     plan.rows() == static_cast<std::size_t>(g.num_layers) * g.num_kv_heads,
                 api, "keep plan has ", plan.rows(), " rows for ", plan.num_layers, " layers x ", plan.num_kv_heads,

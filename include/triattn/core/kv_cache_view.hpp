@@ -19,6 +19,7 @@
 /// a `dtype_accessor` that dispatches once per row on `kv_geometry::type`.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <concepts>
 #include <cstddef>
@@ -140,6 +141,10 @@ inline void validate_common(const char* api, const kv_geometry& g, const slot_ta
   validate_elements(api, g);
   TRIATTN_CHECK(g.num_layers > 0, api, "num_layers ", g.num_layers, " must be >= 1");
   TRIATTN_CHECK(g.num_kv_heads > 0, api, "num_kv_heads ", g.num_kv_heads, " must be >= 1");
+  // Rows are counted in int (a layer times its kv_heads): the product must fit.
+  TRIATTN_CHECK(std::int64_t{g.num_layers} * g.num_kv_heads <= INT32_MAX &&
+                    std::int64_t{g.num_layers} * g.num_q_heads <= INT32_MAX,
+                api, "num_layers ", g.num_layers, " x num_q_heads ", g.num_q_heads, " must be below 2^31");
   TRIATTN_CHECK(g.num_q_heads > 0 && g.num_q_heads % g.num_kv_heads == 0, api, "num_q_heads ", g.num_q_heads,
                 " must be a positive multiple of num_kv_heads ", g.num_kv_heads);
   validate_rope(api, g.rope, g.head_dim);
@@ -230,9 +235,10 @@ struct basic_paged_kv_view {
   std::byte* const* v_pools = nullptr;  ///< [num_layers] base of each layer's V page pool
   kv_strides k_stride{};                ///< includes `page`
   kv_strides v_stride{};
-  const std::int32_t* block_table = nullptr;  ///< [num_blocks] page ids of this sequence
+  const std::int32_t* block_table = nullptr;  ///< [num_blocks] page ids of this sequence, distinct
   std::int32_t num_blocks = 0;
   std::int32_t page_size = 0;
+  std::int32_t num_pages = 0;  ///< pages in each layer's pool: every page id must be below it
   slot_table slots{};  ///< capacity must not exceed num_blocks * page_size
 
   TRIATTN_HOST_DEVICE const kv_geometry& geometry() const { return geo; }
@@ -270,8 +276,16 @@ struct basic_paged_kv_view {
       TRIATTN_CHECK(k_pools[l] != nullptr, api, "K page pool of layer ", l, " is null");
       TRIATTN_CHECK(v_pools[l] != nullptr, api, "V page pool of layer ", l, " is null");
     }
+    TRIATTN_CHECK(num_pages > 0, api, "num_pages ", num_pages, " must be >= 1 (the pages of each layer's pool)");
     for (std::int32_t b = 0; b < num_blocks; ++b)
-      TRIATTN_CHECK(block_table[b] >= 0, api, "block_table[", b, "] = ", block_table[b], " is negative");
+      TRIATTN_CHECK(block_table[b] >= 0 && block_table[b] < num_pages, api, "block_table[", b, "] = ", block_table[b],
+                    " is outside the pool's pages [0, ", num_pages, ")");
+    // Two blocks on one page would alias rows: compaction would move one slot over another.
+    std::vector<std::int32_t> ids(block_table, block_table + num_blocks);
+    std::sort(ids.begin(), ids.end());
+    const auto dup = std::adjacent_find(ids.begin(), ids.end());
+    TRIATTN_CHECK(dup == ids.end(), api, "page ", dup == ids.end() ? 0 : *dup,
+                  " appears twice in block_table: blocks must be distinct pages");
   }
 
  private:

@@ -152,12 +152,18 @@ row_rule rule_of(const P& policy, const round_info& info) {
 
 }  // namespace detail
 
+/// The largest round start: cached positions are int32, so the next token's is at most
+/// 2^31. Bounding it keeps round start + offset (TriAttention's phases) far from overflow.
+inline constexpr std::int64_t max_round_start = std::int64_t{INT32_MAX} + 1;
+
 /// The round start `ctx` implies for `view`; throws naming `api` when a given position is not
-/// above every cached position.
+/// above every cached position, or is above `max_round_start`.
 template <KVCacheView V>
 std::int64_t resolve_round_start(const char* api, const V& view, const round_context& ctx) {
   const std::int64_t last = detail::largest_position(view);
   if (ctx.position < 0) return last + 1;
+  TRIATTN_CHECK(ctx.position <= max_round_start, api, "round start ", ctx.position, " must be <= 2^31 (",
+                max_round_start, "): cached positions are int32");
   TRIATTN_CHECK(ctx.position > last, api, "round start ", ctx.position, " must be above the largest cached position ",
                 last);
   return ctx.position;

@@ -199,6 +199,9 @@ class triattention : public policy_base<triattention> {
     row_scorer(const triattention& p, const char* api, const V& view, std::int64_t round_start, std::int64_t budget)
         : p_(p), api_(api), view_(view), g_(view.geometry()),
           value_protected_(static_cast<std::int64_t>(std::ceil(p.config.value_protect * static_cast<double>(budget)))) {
+      // round start + offset is formed in int64: both bounded, it cannot overflow
+      TRIATTN_CHECK(round_start >= 0 && round_start <= max_round_start, api_, "round start ", round_start,
+                    " must be in [0, 2^31]");
       const int F = g_.head_dim / 2;
       // w from the view's RoPE, which rotated the keys; the stats' copy is only checked against it.
       std::vector<double> w(static_cast<std::size_t>(F));
