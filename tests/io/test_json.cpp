@@ -97,6 +97,18 @@ TEST_CASE("json: depth limit") {
   CHECK(json::parse("{\"a\":{\"b\":1}}", "x", "my::api", 2).type == value_type::object);
 }
 
+TEST_CASE("json: value limit bounds the memory of a document") {
+  // Issue 15: a parsed value costs about 100 bytes, so a 100 MB header of "0," took 8.6 GB.
+  const auto zeros = [](std::size_t n) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < n; ++i) s += i ? ",0" : "0";
+    return s + "]";
+  };
+  CHECK(parse(zeros(json::detail::max_values - 1)).items.size() == json::detail::max_values - 1);  // the array is one
+  require_malformed(zeros(json::detail::max_values), "more than 1048576 JSON values");
+  require_malformed(zeros(20'000'000), "more than 1048576 JSON values");
+}
+
 TEST_CASE("json: malformed input throws") {
   require_malformed("", "unexpected end of input");
   require_malformed("   ", "unexpected end of input");

@@ -426,10 +426,11 @@ TEST_CASE("npy: write_npy and read_npy") {
                 {"triattn::io::write_npy: " + nowhere.string() + ": cannot create "});
   CHECK_FALSE(std::filesystem::exists(dir.path() / "missing"));
 
-  // The target is a folder: the rename fails and the temporary file is removed.
+  // The target is a folder: refused before a temporary file exists (a rename would replace
+  // whatever is not a regular file).
   std::filesystem::create_directory(dir.path() / "folder.npy");
   require_error([&] { io::write_npy(dir.path() / "folder.npy", element_kind::f32, shape_t{1}, data.data()); },
-                {"triattn::io::write_npy: " + (dir.path() / "folder.npy").string() + ": cannot rename "});
+                {"triattn::io::write_npy: " + (dir.path() / "folder.npy").string() + ": is not a regular file"});
   CHECK(dir.files().size() == 2);
 
   // Reading: a missing file, and a bad file reported under read_npy's name.

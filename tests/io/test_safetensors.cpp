@@ -162,17 +162,17 @@ TEST_CASE("safetensors: round trip, layout and determinism") {
   CHECK(parse(bytes_of(plain)).metadata().empty());
 }
 
-TEST_CASE("safetensors: a hand-built file with padding, any key order and gaps") {
+TEST_CASE("safetensors: a hand-built file with padding and any key order") {
   const std::string header =
       " { \"b\" : {\"shape\": [2], \"data_offsets\": [0, 8], \"dtype\": \"F32\"},\n"
       "   \"__metadata__\": {\"k\": \"v\", \"\\u00e9\": \"\"},\n"
-      "   \"a\": {\"dtype\": \"F64\", \"data_offsets\": [16, 24], \"shape\": []},\n"
+      "   \"a\": {\"dtype\": \"F64\", \"data_offsets\": [8, 16], \"shape\": []},\n"
       "   \"z\": {\"dtype\": \"F16\", \"data_offsets\": [8, 8], \"shape\": [0]} }        ";
-  auto file = st_file(header, 24);
+  auto file = st_file(header, 16);
   const double d = -2.5;
   const float fs[2] = {1.5f, -3.0f};
   std::memcpy(file.data() + 8 + header.size(), fs, 8);
-  std::memcpy(file.data() + 8 + header.size() + 16, &d, 8);
+  std::memcpy(file.data() + 8 + header.size() + 8, &d, 8);
   const io::safetensors_file f = parse(file);
   CHECK(f.names() == std::vector<std::string>{"a", "b", "z"});
   CHECK(f.metadata() == metadata_t{{"k", "v"}, {"\xc3\xa9", ""}});
@@ -180,6 +180,21 @@ TEST_CASE("safetensors: a hand-built file with padding, any key order and gaps")
   CHECK(io::tensor_to_float(f.get("b"), "b") == std::vector<float>{1.5f, -3.0f});
   CHECK(io::tensor_to_float(f.get("z"), "z").empty());
   CHECK(f.get("a").shape.empty());
+}
+
+TEST_CASE("safetensors: gaps and trailing bytes are refused, as the reference implementation does") {
+  // Issue 15: both were accepted. The tensors must tile the data buffer exactly.
+  const std::string two =
+      "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+      "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}";
+  require_parse_error(two, 12, "4 bytes before tensor 'b' [8, 12] belong to no tensor");
+  require_parse_error(one("\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]"), 8,
+                      "4 bytes before tensor 'w' [4, 8] belong to no tensor");
+  require_parse_error(one("\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]"), 11,
+                      "3 bytes follow the last tensor's data");
+  require_parse_error("{}", 5, "5 bytes follow the last tensor's data");
+  require_parse_error(one("\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]"), 1,
+                      "1 bytes follow the last tensor's data");
 }
 
 TEST_CASE("safetensors: conversions") {

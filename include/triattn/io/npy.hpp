@@ -32,6 +32,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <fcntl.h>
+#include <unistd.h>
+#endif
+
 #include "triattn/core/dtype.hpp"
 #include "triattn/core/error.hpp"
 
@@ -136,11 +141,18 @@ inline std::optional<std::uint64_t> checked_bytes(std::span<const std::int64_t> 
   return checked_mul(count, elem);
 }
 
-/// "[2, 8, 256, 128]"; with `wildcard`, -1 prints as "*" (any size).
+/// "[2, 8, 256, 128]"; with `wildcard`, -1 prints as "*" (any size). A shape of more than 8
+/// dims prints its first 8 and their count: a message stays one short line whatever a file
+/// declares (a hostile safetensors shape may hold a million dims).
 inline std::string shape_string(std::span<const std::int64_t> shape, bool wildcard = false) {
+  constexpr std::size_t max_dims = 8;
   std::ostringstream os;
   os << '[';
   for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i == max_dims) {
+      os << ", ... (" << shape.size() << " dims)";
+      break;
+    }
     if (i > 0) os << ", ";
     if (wildcard && shape[i] == -1) {
       os << '*';
@@ -205,17 +217,61 @@ inline std::vector<std::byte> read_file(const std::filesystem::path& path, const
   return bytes;
 }
 
-/// Writes `bytes` to a temporary file next to `path`, then renames it over `path`: readers
-/// never see a half-written file, and a failed write leaves no file behind.
+/// Throws naming `api` and `path` unless `path` is a regular file or does not exist: outputs
+/// are written by a rename, which would replace a device, a FIFO, a socket, a folder or a
+/// symbolic link. Tools call it before their work, so a bad output path costs nothing.
+inline void check_output_path(const std::filesystem::path& path, const char* api) {
+  const std::string name = path.string();
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::symlink_status(path, ec);
+  if (ec || !std::filesystem::exists(st)) return;
+  TRIATTN_CHECK(!std::filesystem::is_symlink(st), api, name,
+                ": is a symbolic link: the output is written by a rename, which would replace the link");
+  TRIATTN_CHECK(std::filesystem::is_regular_file(st), api, name,
+                ": is not a regular file (a device, a FIFO, a socket or a folder): the output is written by a "
+                "rename, which would replace it");
+}
+
+/// Writes `bytes` to a temporary file next to `path`, flushes it to the device (fsync), then
+/// renames it over `path` and flushes the folder: readers never see a half-written file, a
+/// failed write leaves no file behind, and after a power loss the file is the old one or the
+/// new one, never an empty one. `path` must be a regular file or not exist: a rename would
+/// replace a device, a FIFO or a symbolic link (`--out /dev/null` as root would replace the
+/// system's /dev/null), so those are refused before anything is written.
 inline void write_file_atomically(const std::filesystem::path& path, std::span<const std::byte> bytes,
                                   const char* api) {
   const std::string name = path.string();
+  check_output_path(path, api);
   std::random_device rd;
   std::ostringstream suffix;
   suffix << ".tmp." << std::hex << rd() << rd();  // unique among concurrent writers
   std::filesystem::path tmp = path;
   tmp += suffix.str();
   std::error_code ignored;
+#if defined(__unix__) || defined(__APPLE__)
+  {
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    TRIATTN_CHECK(fd >= 0, api, name, ": cannot create ", tmp.string(), ": ", errno_text(errno));
+    std::size_t done = 0;
+    int err = 0;
+    while (done < bytes.size() && err == 0) {
+      const ::ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (n > 0) {
+        done += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno != EINTR) {
+        err = errno;
+      } else if (n == 0) {
+        err = EIO;  // no progress and no error: do not spin
+      }
+    }
+    if (err == 0 && ::fsync(fd) != 0) err = errno;
+    if (::close(fd) != 0 && err == 0) err = errno;
+    if (err != 0) {
+      std::filesystem::remove(tmp, ignored);
+      ::TRIATTN_NAMESPACE::detail::fail(api, name, ": cannot write ", tmp.string(), ": ", errno_text(err));
+    }
+  }
+#else
   {
     errno = 0;
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
@@ -228,12 +284,21 @@ inline void write_file_atomically(const std::filesystem::path& path, std::span<c
       ::TRIATTN_NAMESPACE::detail::fail(api, name, ": cannot write ", tmp.string(), ": ", errno_text(err));
     }
   }
+#endif
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     std::filesystem::remove(tmp, ignored);
     ::TRIATTN_NAMESPACE::detail::fail(api, name, ": cannot rename ", tmp.string(), " to it: ", ec.message());
   }
+#if defined(__unix__) || defined(__APPLE__)
+  // The rename itself is durable once the folder is flushed.
+  const std::filesystem::path folder = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  if (const int dir = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+#endif
 }
 
 /// numpy's NPY_MAXDIMS (numpy 2); it also keeps every header we write within version 1.0.

@@ -193,15 +193,24 @@ class safetensors_file {
       const auto it = f.tensors_.emplace(key, std::move(tensor)).first;
       if (end > begin) extents.push_back({begin, end, &it->first});
     }
-    // No two tensors may share a byte (empty tensors hold none).
+    // The tensors tile the buffer exactly, as the reference implementation requires: no two
+    // share a byte (empty tensors hold none), none leaves a gap, and no byte follows the last.
     std::sort(extents.begin(), extents.end(),
               [](const extent& x, const extent& y) { return x.begin != y.begin ? x.begin < y.begin : x.end < y.end; });
-    for (std::size_t i = 1; i < extents.size(); ++i) {
-      const extent& p = extents[i - 1];
+    std::uint64_t covered = 0;
+    for (std::size_t i = 0; i < extents.size(); ++i) {
       const extent& c = extents[i];
-      TRIATTN_CHECK(c.begin >= p.end, api, name, ": tensors '", detail::printable(*p.name), "' [", p.begin, ", ", p.end,
-                    "] and '", detail::printable(*c.name), "' [", c.begin, ", ", c.end, "] overlap");
+      if (i > 0) {
+        const extent& p = extents[i - 1];
+        TRIATTN_CHECK(c.begin >= p.end, api, name, ": tensors '", detail::printable(*p.name), "' [", p.begin, ", ",
+                      p.end, "] and '", detail::printable(*c.name), "' [", c.begin, ", ", c.end, "] overlap");
+      }
+      TRIATTN_CHECK(c.begin == covered, api, name, ": ", c.begin - covered, " bytes before tensor '",
+                    detail::printable(*c.name), "' [", c.begin, ", ", c.end, "] belong to no tensor");
+      covered = c.end;
     }
+    TRIATTN_CHECK(covered == buffer.size(), api, name, ": ", buffer.size() - covered,
+                  " bytes follow the last tensor's data");
     return f;
   }
 
