@@ -324,8 +324,15 @@ class tokenizer {
 
 inline tokenizer tokenizer::load(const std::filesystem::path& path, int vocab_size) {
   const char* api = "llama2c::tokenizer::load";
-  TRIATTN_CHECK(vocab_size >= 3, api, path, ": vocab_size ", vocab_size, " must be >= 3 (<unk>, BOS, EOS)");
+  // Byte fallback encodes byte b as id b + 3, and the dummy prefix falls back to ' ' + 3: a
+  // smaller vocabulary would send the encoder past its piece table.
+  TRIATTN_CHECK(vocab_size >= 259, api, path, ": vocab_size ", vocab_size,
+                " must be >= 259 (<unk>, BOS, EOS and the 256 byte-fallback pieces)");
   const std::string bytes = read_file(path, api);
+  // Every piece takes at least 8 bytes (score, length): a vocabulary the file cannot hold is
+  // refused before anything is sized by it.
+  TRIATTN_CHECK(bytes.size() >= 4 && (bytes.size() - 4) / 8 >= static_cast<std::size_t>(vocab_size), api, path,
+                ": truncated: ", bytes.size(), " bytes cannot hold ", vocab_size, " pieces");
   std::size_t at = 0;
   // Copies the next `n` bytes into `out`; `id` is the token being read (-1: the header).
   const auto take = [&](void* out, std::size_t n, int id) {
@@ -345,6 +352,9 @@ inline tokenizer tokenizer::load(const std::filesystem::path& path, int vocab_si
     take(&t.scores_[static_cast<std::size_t>(id)], sizeof(float), id);
     take(&len, sizeof(len), id);
     TRIATTN_CHECK(len >= 0, api, path, ": token ", id, " has a negative length ", len);
+    // The bytes must exist before the piece is sized by its declared length.
+    TRIATTN_CHECK(static_cast<std::size_t>(len) <= bytes.size() - at, api, path, ": truncated: token ", id,
+                  " declares ", len, " bytes, the file holds ", bytes.size() - at, " more");
     std::string& p = t.pieces_[static_cast<std::size_t>(id)];
     p.resize(static_cast<std::size_t>(len));
     take(p.data(), p.size(), id);

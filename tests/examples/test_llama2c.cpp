@@ -506,4 +506,22 @@ TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[
   CHECK_THAT(load_error([&] { llama2c::tokenizer::load(short_tok.path, 512); }),
              Contains("llama2c::tokenizer::load") && Contains("truncated"));
   CHECK_THAT(load_error([&] { llama2c::tokenizer::load(model_dir() / "tok512.bin", 511); }), Contains("bytes follow"));
+
+  // Issue 15: a vocabulary below 259 sent byte fallback and the dummy prefix past the piece
+  // table; a piece length was trusted before its bytes were known to exist (a 14-byte file
+  // took 2.1 GB); a vocabulary the file cannot hold was allocated first.
+  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(model_dir() / "tok512.bin", 258); }),
+             Contains("vocab_size 258") && Contains(">= 259"));
+  std::string huge_piece(4, '\0');  // max_token_length
+  const float score = 0.0f;
+  const std::int32_t length = 0x7fff0000;
+  huge_piece.append(reinterpret_cast<const char*>(&score), 4);
+  huge_piece.append(reinterpret_cast<const char*>(&length), 4);
+  huge_piece.append(std::string(259 * 8, 'x'));
+  const temp_file huge(huge_piece);
+  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(huge.path, 259); }),
+             Contains("token 0 declares 2147418112 bytes") && Contains("truncated"));
+  const temp_file tiny(std::string(14, '\0'));
+  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(tiny.path, 1 << 30); }),
+             Contains("truncated") && Contains("1073741824 pieces"));
 }
