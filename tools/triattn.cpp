@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -101,7 +102,10 @@ class options {
     const auto it = values_.find(name);
     return it == values_.end() ? std::nullopt : std::optional(it->second);
   }
-  std::int64_t integer(std::string_view name, std::int64_t min, std::optional<std::int64_t> fallback = {}) const {
+  /// An integer option in [min, max]; an out-of-range value is refused naming the option
+  /// (never narrowed: `--windows 4294967297` is not 1).
+  std::int64_t integer(std::string_view name, std::int64_t min, std::optional<std::int64_t> fallback = {},
+                       std::int64_t max = std::numeric_limits<std::int64_t>::max()) const {
     const auto text = optional_value(name);
     if (!text) {
       if (fallback) return *fallback;
@@ -112,6 +116,7 @@ class options {
     if (ec != std::errc() || end != text->data() + text->size())
       throw usage_error{std::string(name) + " \"" + *text + "\" is not an integer"};
     if (v < min) throw usage_error{std::string(name) + " " + *text + " must be >= " + std::to_string(min)};
+    if (v > max) throw usage_error{std::string(name) + " " + *text + " must be <= " + std::to_string(max)};
     return v;
   }
   /// One of `choices` (the first is the default).
@@ -131,10 +136,52 @@ class options {
   std::vector<std::string> positional_;
 };
 
-std::string shape_text(std::span<const std::int64_t> shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
+std::string shape_text(std::span<const std::int64_t> shape) { return io::detail::shape_string(shape); }
+
+/// A file's text for the terminal: control bytes (C0, DEL and UTF-8-encoded C1, which start
+/// escape sequences) as \xNN; everything else, UTF-8 included, as it is.
+std::string terminal_safe(std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const auto u = static_cast<unsigned char>(s[i]);
+    const bool c1 = u == 0xc2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
+                    static_cast<unsigned char>(s[i + 1]) <= 0x9f;
+    if (u < 0x20 || u == 0x7f || c1) {
+      const std::size_t n = c1 ? 2 : 1;
+      for (std::size_t k = 0; k < n; ++k) {
+        const auto b = static_cast<unsigned char>(s[i + k]);
+        out += "\\x";
+        out += hex[b >> 4];
+        out += hex[b & 0xf];
+      }
+      i += n - 1;
+    } else {
+      out += s[i];
+    }
+  }
+  return out;
+}
+
+/// The float values of an input array, refused naming `path` unless it holds floats (an int
+/// array is not read as floats) that are all finite: the library would refuse them later, in a
+/// message about a layer and a slot that does not name the file.
+std::vector<float> finite_floats(const io::npy_array& a, const std::string& path, const char* what) {
+  if (a.kind != io::element_kind::f16 && a.kind != io::element_kind::f32 && a.kind != io::element_kind::f64)
+    throw triattn::error(path + ": " + what + " has dtype " + io::element_kind_name(a.kind) +
+                         ", expected float16, float32 or float64");
+  std::vector<float> v = a.to_float();
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i]))
+      throw triattn::error(path + ": " + what + " holds " + std::to_string(v[i]) + " at element " + std::to_string(i) +
+                           ": values must be finite");
+  return v;
+}
+
+/// A --out that a rename would replace (a device, a FIFO, a folder, a link) is refused before
+/// any work: nothing is printed first (calibrate's progress) and nothing is computed for it.
+void check_out(const options& o) {
+  if (const auto out = o.optional_value("--out")) io::detail::check_output_path(*out, "triattn");
 }
 
 // ------------------------------------------------------------------------------------------
@@ -147,10 +194,18 @@ class npy_cache {
   npy_cache(const fs::path& keys_path, const std::optional<fs::path>& positions_path) {
     keys_ = load_cache_array(keys_path);
     const auto& s = keys_.shape;
-    layers_ = static_cast<int>(s[0]);
-    kv_heads_ = static_cast<int>(s[1]);
+    // Every axis is checked before anything is sized by it: with head_dim 0 the file holds no
+    // element, so its other axes bound nothing (a position table of layers x kv_heads x tokens).
+    const auto axis = [&](std::size_t i, const char* name, std::int64_t hi) {
+      if (s[i] < 1 || s[i] > hi)
+        throw triattn::error(keys_path.string() + ": " + name + " " + std::to_string(s[i]) + " must be in [1, " +
+                             std::to_string(hi) + "]");
+      return s[i];
+    };
+    layers_ = static_cast<int>(axis(0, "num_layers", 65535));
+    kv_heads_ = static_cast<int>(axis(1, "num_kv_heads", 65535));
+    head_dim_ = static_cast<int>(axis(3, "head_dim", 65536));
     tokens_ = s[2];
-    head_dim_ = static_cast<int>(s[3]);
     if (head_dim_ % 2 != 0)
       throw triattn::error(keys_path.string() + ": head_dim " + std::to_string(head_dim_) + " must be even");
     if (tokens_ < 1 || tokens_ > INT32_MAX)
@@ -162,6 +217,9 @@ class npy_cache {
       const io::npy_array p = io::read_npy(*positions_path);
       const std::int64_t expected[] = {layers_, kv_heads_, tokens_};
       io::check_shape(p, expected, positions_path->string(), "positions");
+      if (p.kind == io::element_kind::f16 || p.kind == io::element_kind::f32 || p.kind == io::element_kind::f64)
+        throw triattn::error(positions_path->string() + ": positions have dtype " + io::element_kind_name(p.kind) +
+                             ", expected integers");
       const std::vector<std::int64_t> v = p.to_int64();
       for (std::size_t i = 0; i < v.size(); ++i) {
         if (v[i] < 0 || v[i] > INT32_MAX)
@@ -232,6 +290,7 @@ class npy_cache {
     if (a.kind != io::element_kind::f16 && a.kind != io::element_kind::f32 && a.kind != io::element_kind::f64)
       throw triattn::error(path.string() + ": dtype " + io::element_kind_name(a.kind) +
                            " is not supported (expected float16, float32 or float64)");
+    (void)finite_floats(a, path.string(), "the array");  // NaN or inf named with the file
     if (a.kind == io::element_kind::f64) a = as_kind(std::move(a), io::element_kind::f32);
     return a;
   }
@@ -318,7 +377,7 @@ triattention_inputs read_triattention_inputs(const options& o) {
                          std::to_string(stats.num_kv_heads) + " kv-heads, head_dim " + std::to_string(stats.head_dim) +
                          ")");
   triattn::triattention_config c = triattn::triattention_config::paper();
-  c.offset_max = o.integer("--offset-max", 1, c.offset_max);
+  c.offset_max = o.integer("--offset-max", 1, c.offset_max, std::int64_t{1} << 62);
   c.aggregation = o.choice("--aggregation", {"mean", "max"}) == "mean" ? triattn::offset_aggregation::mean
                                                                          : triattn::offset_aggregation::max;
   c.disable_trig = o.has("--disable-trig");
@@ -347,7 +406,7 @@ triattn::rope_desc stats_rope(const triattn::query_stats& s) {
 
 int score_triattention(const options& o) {
   triattention_inputs in = read_triattention_inputs(o);
-  const std::int64_t round_start = o.integer("--round-start", 0);
+  const std::int64_t round_start = o.integer("--round-start", 0, {}, triattn::max_round_start);
   const fs::path out = o.required("--out");
   const triattn::dense_kv_view view = in.cache.view(in.stats.num_q_heads, in.keys, stats_rope(in.stats));
   const triattn::triattention policy(in.stats, in.config);
@@ -362,7 +421,7 @@ int score_triattention(const options& o) {
 
 int select_triattention(const options& o) {
   triattention_inputs in = read_triattention_inputs(o);
-  const std::int64_t round_start = o.integer("--round-start", 0);
+  const std::int64_t round_start = o.integer("--round-start", 0, {}, triattn::max_round_start);
   const std::int64_t budget = o.integer("--budget", 1);
   const fs::path out = o.required("--out");
   const triattn::dense_kv_view view = in.cache.view(in.stats.num_q_heads, in.keys, stats_rope(in.stats));
@@ -403,9 +462,15 @@ triattn::dense_kv_view feed_attention(const options& o, npy_cache& cache, Policy
   const std::string path = o.required("--attn");
   const io::npy_array attn = io::read_npy(path);
   const int q_heads = check_rows(attn, path, cache, cache.tokens(), "attention [num_layers, num_q_heads, rows, num_tokens]");
-  const std::vector<float> p = attn.to_float();
-  const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
   const std::int64_t rows = attn.shape[2], n = cache.tokens();
+  // Row r is the query at position n - rows + r: more rows than tokens has no position.
+  if (rows > n) throw triattn::error(path + ": " + std::to_string(rows) + " attention rows exceed num_tokens " + std::to_string(n));
+  const std::vector<float> p = finite_floats(attn, path, "attention");
+  for (std::size_t i = 0; i < p.size(); ++i)
+    if (p[i] < 0.0f || p[i] > 1.0f)
+      throw triattn::error(path + ": attention holds " + std::to_string(p[i]) + " at element " + std::to_string(i) +
+                           ": probabilities must be in [0, 1]");
+  const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
   for (int l = 0; l < cache.layers(); ++l)
     for (int h = 0; h < q_heads; ++h)
       for (std::int64_t r = 0; r < rows; ++r)
@@ -425,7 +490,7 @@ triattn::dense_kv_view feed_queries(const options& o, npy_cache& cache, Policy& 
   const std::int64_t w = q.shape[2], n = cache.tokens(), d = cache.head_dim();
   if (w > n) throw triattn::error(path + ": window " + std::to_string(w) + " exceeds num_tokens " + std::to_string(n));
   policy.config.window = static_cast<int>(w);
-  const std::vector<float> v = q.to_float();
+  const std::vector<float> v = finite_floats(q, path, "queries");
   const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
   for (int l = 0; l < cache.layers(); ++l)
     for (int h = 0; h < q_heads; ++h)
@@ -536,7 +601,8 @@ int inspect(const options& o) {
               s.num_q_heads, bands);
   std::printf("  inv_freq: [%d], from %.6g down to %.6g\n", bands, s.inv_freq.front(), s.inv_freq.back());
   std::printf("  num_kv_heads %d (GQA group %d)\n", s.num_kv_heads, s.num_q_heads / s.num_kv_heads);
-  for (const auto& [key, value] : s.info) std::printf("  %s: %s\n", key.c_str(), value.c_str());
+  for (const auto& [key, value] : s.info)  // metadata from the file: escaped before the terminal sees it
+    std::printf("  %s: %s\n", terminal_safe(key).c_str(), terminal_safe(value).c_str());
   // Mean resultant length R_f = |E q_f| / E|q_f|: how concentrated the queries are (1: every
   // query of the band points the same way; the paper's premise is R > 0.95 for most heads).
   const auto resultant = [&](int l, int h, int f) {
@@ -650,10 +716,10 @@ int calibrate(const options& o) {
       llama2c::text_model::load(model_path, o.optional_value("--tokenizer").value_or(""), "triattn calibrate");
   if (o.optional_value("--prompts")) return calibrate_on_answers(o, model, model_path, out);
   const fs::path text_path = o.required("--text");
-  const std::int64_t max_windows = o.integer("--windows", 1, 100);
+  const std::int64_t max_windows = o.integer("--windows", 1, 100, INT32_MAX);
   // The model's context, at most 512 tokens (cli.md's windows; a GGUF model's context is longer).
   const int context = model.model().config().seq_len;
-  const std::int64_t window = o.integer("--window-tokens", 1, std::min(context, 512));
+  const std::int64_t window = o.integer("--window-tokens", 1, std::min(context, 512), INT32_MAX);
   if (window > context)
     throw triattn::error("--window-tokens " + std::to_string(window) + " is longer than the model's context of " +
                          std::to_string(context) + " tokens");
@@ -767,12 +833,14 @@ int run(int argc, char** argv) {
       throw usage_error{std::string(command) + " needs a policy name"};
     const options o(argc, argv, 3);
     if (o.has("--help")) return std::fputs(usage_text().c_str(), stdout), 0;
+    check_out(o);
     for (const policy_command& p : policy_commands)
       if (p.name == argv[2]) return p.run(o, command == "select");
     throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: " + llama2c::policy_names(true) + ")"};
   }
   const options o(argc, argv, 2);
   if (o.has("--help")) return std::fputs(usage_text().c_str(), stdout), 0;
+  check_out(o);
   if (command == "inspect") return inspect(o);
   if (command == "calibrate") return calibrate(o);
   throw usage_error{"unknown command \"" + std::string(command) + "\" (see triattn --help)"};

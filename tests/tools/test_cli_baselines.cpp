@@ -479,6 +479,11 @@ TEST_CASE("bad baseline inputs are refused with one line naming the file or opti
   const std::string queries_heads = write_f32("queries_heads.npy", {layers, 3, w, head_dim});
   const std::string queries_layers = write_f32("queries_layers.npy", {layers - 1, q_heads, w, head_dim});
   const std::string queries_long = write_f32("queries_long.npy", {layers, q_heads, n + 1, head_dim});
+  // Zero-size axes (issue 15): 0 kv-heads reached a `% kv_heads` (SIGFPE), head_dim 0 sized a
+  // position table by axes that no byte of the file bounds.
+  const std::vector<std::string> keys_empty = {write_f32("keys_no_heads.npy", {layers, 0, n, head_dim}),
+                                               write_f32("keys_no_dim.npy", {layers, kv_heads, n, 0}),
+                                               write_f32("keys_no_layers.npy", {0, kv_heads, n, head_dim})};
 
   for (const char* verb : {"score", "select"}) {
     const bool select = std::string(verb) == "select";
@@ -510,6 +515,7 @@ TEST_CASE("bad baseline inputs are refused with one line naming the file or opti
         expect_refused(with(good, "--values", values_n), {values_n});
       }
       expect_refused(without(good, "--keys"), {"--keys"});
+      for (const std::string& k : keys_empty) expect_refused(with(good, "--keys", k), {k});
     }
   }
   // Refused even when the inputs the policy does not use are fine.

@@ -4,11 +4,13 @@
 // away from a good one, which is run first and must succeed, so a refusal cannot come from
 // some other mistake in the command. `--help` exits 0.
 #include <catch2/catch.hpp>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -146,6 +148,11 @@ TEST_CASE("keys of the wrong dtype, rank or geometry name the keys file", "[cli]
   check_keys("keys_int64.npy", io::element_kind::i64, {layers, kv_heads, tokens, head_dim});
   check_keys("keys_rank3.npy", io::element_kind::f32, {layers, kv_heads, tokens * head_dim});
   check_keys("keys_rank5.npy", io::element_kind::f32, {1, layers, kv_heads, tokens, head_dim});
+  // Zero-size axes (issue 15): nothing may be sized by the other axes before they are checked.
+  check_keys("keys_no_layers.npy", io::element_kind::f32, {0, kv_heads, tokens, head_dim});
+  check_keys("keys_no_heads.npy", io::element_kind::f32, {layers, 0, tokens, head_dim});
+  check_keys("keys_no_dim.npy", io::element_kind::f32, {layers, kv_heads, tokens, 0});
+  check_keys("keys_no_dim_huge.npy", io::element_kind::f32, {1000000, 1000000, 1000000, 0});
   // The geometry must match the stats file, which the message names too.
   const auto check_mismatch = [&](const std::string& name, const std::vector<std::int64_t>& shape) {
     const std::string k = (f.dir / name).string();
@@ -215,6 +222,59 @@ TEST_CASE("bad options are named", "[cli][errors]") {
   f.expect_refused({"frobnicate", "--out", f.out}, {"frobnicate"});
   f.expect_refused({"score"}, {"score"});
   f.expect_refused({"inspect"}, {"inspect"});
+
+  // Issue 15: integers past their range are refused, not narrowed; a round start past 2^31
+  // overflowed round start + offset.
+  auto far = f.score_args(f.keys);
+  const auto r = std::find(far.begin(), far.end(), "--round-start");
+  *(r + 1) = "9223372036854775807";
+  f.expect_refused(far, {"--round-start", "must be <= 2147483648"});
+  *(r + 1) = "2147483648";
+  good_run(f, far, {layers, q_heads, tokens});
+}
+
+TEST_CASE("inspect escapes the file's metadata before the terminal sees it", "[cli][errors]") {
+  // Issue 15: metadata reached the terminal unescaped, so a file could send escape sequences.
+  const fixture f;
+  triattn::query_stats s = small_stats();
+  s.info["model"] = "evil\x1b]0;title\x07\x1b[31mred\xc2\x9b" "2J caf\xc3\xa9";
+  const std::string hostile = (f.dir / "hostile.safetensors").string();
+  triattn::save_stats(hostile, s);
+  const auto r = run_cli(f.dir, {"inspect", hostile});
+  INFO("command: " << r.command << "\nstderr: " << r.err);
+  REQUIRE(r.code == 0);
+  CHECK(r.out.find('\x1b') == std::string::npos);
+  CHECK(r.out.find('\x07') == std::string::npos);
+  CHECK(r.out.find("\xc2\x9b") == std::string::npos);
+  CHECK(r.out.find("model: evil\\x1b]0;title\\x07\\x1b[31mred\\xc2\\x9b2J caf\xc3\xa9") != std::string::npos);
+}
+
+TEST_CASE("--out is never a special file or a link: a rename would replace it", "[cli][errors]") {
+  // Issue 15: outputs are written to a temporary file and renamed over --out, which replaced a
+  // FIFO, a device or a symbolic link by a regular file (as root, --out /dev/null replaced the
+  // system's /dev/null). They are refused, and stay what they were.
+  const fixture f;
+  const fs::path fifo = f.dir / "out.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const fs::path target = f.dir / "target.npy", link = f.dir / "link.npy";
+  { std::ofstream(target) << "target"; }
+  fs::create_symlink(target, link);
+  for (const fs::path& out : {fifo, link, f.dir.path()}) {
+    auto a = f.score_args(f.keys);
+    *(std::find(a.begin(), a.end(), "--out") + 1) = out.string();
+    const auto r = run_cli(f.dir, a);
+    INFO("command: " << r.command);
+    check_one_line_error(r, {out.string()});
+  }
+  CHECK(fs::is_fifo(fs::symlink_status(fifo)));
+  CHECK(fs::is_symlink(fs::symlink_status(link)));
+  std::ifstream in(target);
+  std::string text;
+  in >> text;
+  CHECK(text == "target");
+  fs::remove(fifo);
+  fs::remove(link);
+  fs::remove(target);
 }
 
 TEST_CASE("--help exits 0 and prints the usage", "[cli][errors]") {
