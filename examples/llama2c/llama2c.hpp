@@ -274,6 +274,11 @@ inline model model::load(const std::filesystem::path& path) {
   in.read(reinterpret_cast<char*>(m.data_.data()), static_cast<std::streamsize>(at * sizeof(float)));
   TRIATTN_CHECK(in.gcount() == static_cast<std::streamsize>(at * sizeof(float)), api, path, ": read ", in.gcount(),
                 " of ", at * sizeof(float), " weight bytes");
+  // A non-finite weight poisons every activation: refused here, naming the file, instead of
+  // surfacing as non-finite logits or statistics after the work.
+  const auto bad = std::find_if(m.data_.begin(), m.data_.end(), [](float x) { return !std::isfinite(x); });
+  TRIATTN_CHECK(bad == m.data_.end(), api, path, ": weight ", bad - m.data_.begin(), " is ",
+                bad == m.data_.end() ? 0.0f : *bad, ": weights must be finite");
   m.pack_matrices();
   return m;
 }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -496,6 +497,14 @@ TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[
   };
   const temp_file zero_layers(with_field(2, 0)), odd_group(with_field(4, 3)), odd_head(with_field(3, 64)),
       split_dim(with_field(3, 5));
+  // Issue 15 (the fuzz driver): a NaN weight made calibrate fail after its progress line, on
+  // non-finite statistics; the model is refused at load, naming the file.
+  std::string nan_bytes = model_bytes;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(nan_bytes.data() + 28 + 4 * 1000, &nan, 4);
+  const temp_file nan_weight(nan_bytes);
+  CHECK_THAT(load_error([&] { llama2c::model::load(nan_weight.path); }),
+             Contains("weight 1000 is nan") && Contains("weights must be finite"));
   CHECK_THAT(load_error([&] { llama2c::model::load(zero_layers.path); }), Contains("n_layers = 0"));
   CHECK_THAT(load_error([&] { llama2c::model::load(odd_group.path); }), Contains("n_kv_heads 3"));
   CHECK_THAT(load_error([&] { llama2c::model::load(odd_head.path); }), Contains("head_dim 1"));
