@@ -136,33 +136,6 @@ class options {
   std::vector<std::string> positional_;
 };
 
-std::string shape_text(std::span<const std::int64_t> shape) { return io::detail::shape_string(shape); }
-
-/// A file's text for the terminal: control bytes (C0, DEL and UTF-8-encoded C1, which start
-/// escape sequences) as \xNN; everything else, UTF-8 included, as it is.
-std::string terminal_safe(std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
-  std::string out;
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    const auto u = static_cast<unsigned char>(s[i]);
-    const bool c1 = u == 0xc2 && i + 1 < s.size() && static_cast<unsigned char>(s[i + 1]) >= 0x80 &&
-                    static_cast<unsigned char>(s[i + 1]) <= 0x9f;
-    if (u < 0x20 || u == 0x7f || c1) {
-      const std::size_t n = c1 ? 2 : 1;
-      for (std::size_t k = 0; k < n; ++k) {
-        const auto b = static_cast<unsigned char>(s[i + k]);
-        out += "\\x";
-        out += hex[b >> 4];
-        out += hex[b & 0xf];
-      }
-      i += n - 1;
-    } else {
-      out += s[i];
-    }
-  }
-  return out;
-}
-
 /// The float values of an input array, refused naming `path` unless it holds floats (an int
 /// array is not read as floats) that are all finite: the library would refuse them later, in a
 /// message about a layer and a slot that does not name the file.
@@ -238,8 +211,8 @@ class npy_cache {
   void add_values(const fs::path& path) {
     values_ = load_cache_array(path);
     if (values_->shape != keys_.shape)
-      throw triattn::error(path.string() + ": values have shape " + shape_text(values_->shape) + ", keys have " +
-                           shape_text(keys_.shape));
+      throw triattn::error(path.string() + ": values have shape " + io::detail::shape_string(values_->shape) + ", keys have " +
+                           io::detail::shape_string(keys_.shape));
     // Mixed dtypes meet at float32, which holds float16 exactly: neither input loses precision
     // (casting float32 values to float16 keys would change VATP's ||V||_1).
     if (values_->kind != keys_.kind) {
@@ -602,7 +575,8 @@ int inspect(const options& o) {
   std::printf("  inv_freq: [%d], from %.6g down to %.6g\n", bands, s.inv_freq.front(), s.inv_freq.back());
   std::printf("  num_kv_heads %d (GQA group %d)\n", s.num_kv_heads, s.num_q_heads / s.num_kv_heads);
   for (const auto& [key, value] : s.info)  // metadata from the file: escaped before the terminal sees it
-    std::printf("  %s: %s\n", terminal_safe(key).c_str(), terminal_safe(value).c_str());
+    std::printf("  %s: %s\n", io::detail::printable(key, std::string_view::npos).c_str(),
+                io::detail::printable(value, std::string_view::npos).c_str());
   // Mean resultant length R_f = |E q_f| / E|q_f|: how concentrated the queries are (1: every
   // query of the band points the same way; the paper's premise is R > 0.95 for most heads).
   const auto resultant = [&](int l, int h, int f) {

@@ -168,10 +168,7 @@ void compact_row(const V& view, int l, int h, std::span<const std::int32_t> keep
     for (std::int64_t i = first; i < m;) {
       std::int64_t j = i + 1;
       while (j < m && keep[j] == keep[j - 1] + 1) ++j;
-#if defined(__GNUC__)
-      if (j + ahead < m)
-        for (std::size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row(keep[j + ahead]) + b);
-#endif
+      if (j + ahead < m) prefetch_bytes(row(keep[j + ahead]), row_bytes);
       move_rows<Bytes>(row, keep[i], i, j - i, row_bytes);
       i = j;
     }

@@ -342,6 +342,40 @@ inline bool all_finite(const float* x, std::int64_t n) {
   return bad == 0;
 }
 
+/// Throws naming `api` and the first non-finite element of the key row `key` [head_dim] of
+/// (l, h, s), if it has one: the vectorised `all_finite` first, the element search only for a
+/// row that fails.
+inline void check_key_finite(const char* api, const float* key, int head_dim, int l, int h, std::int64_t s) {
+  if (all_finite(key, head_dim)) return;
+  for (int d = 0; d < head_dim; ++d)
+    TRIATTN_CHECK(std::isfinite(key[d]), api, "key of layer ", l, " kv_head ", h, " slot ", s, " has ", key[d],
+                  " at dim ", d, ": keys must be finite");
+}
+
+/// Asks the cache hierarchy for `bytes` bytes at `p` ahead of their use: a gather or a row
+/// read between blocks of arithmetic, which the hardware prefetcher alone does not cover.
+inline void prefetch_bytes(const std::byte* p, std::size_t bytes) {
+#if defined(__GNUC__)
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+/// Calls `f(accessor)` with layer `l`'s key accessor of `v` as a compile-time type: a
+/// run-time `dtype_accessor` is dispatched once here to its `scaled_accessor<T>`, so the loops
+/// of `f` decode without a dispatch per row.
+template <class V, class F>
+decltype(auto) with_key_accessor(const V& v, int l, F&& f) {
+  const auto keys = key_accessor_of(v, l);
+  if constexpr (std::is_same_v<std::remove_cv_t<decltype(keys)>, dtype_accessor>) {
+    return visit_dtype(keys.type, [&]<class T>() { return f(scaled_accessor<T>{keys.scale}); });
+  } else {
+    return f(keys);
+  }
+}
+
 /// Reads the key row (l, h, s) as f32 (scaled) into `out` [head_dim].
 template <KVCacheView V>
 void load_key(const V& v, int l, int h, std::int64_t s, float* out) {

@@ -164,22 +164,30 @@ inline std::string shape_string(std::span<const std::int64_t> shape, bool wildca
   return os.str();
 }
 
-/// An untrusted string made safe for a one-line message: control bytes as \xNN, cut after
-/// 80 bytes (at a UTF-8 boundary).
-inline std::string printable(std::string_view s) {
+/// An untrusted string made safe for a terminal line: control bytes (C0, DEL, and the C1
+/// controls U+0080..U+009F, which start escape sequences too) as \xNN, cut after `max_len`
+/// bytes (at a UTF-8 boundary; 80 for messages, npos: whole).
+inline std::string printable(std::string_view s, std::size_t max_len = 80) {
   static constexpr char hex[] = "0123456789abcdef";
-  constexpr std::size_t max_len = 80;
   std::size_t len = std::min(s.size(), max_len);
   while (len < s.size() && len > 0 && (static_cast<unsigned char>(s[len]) & 0xc0) == 0x80) --len;
   std::string out;
-  for (const char c : s.substr(0, len)) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
-      out += "\\x";
-      out += hex[u >> 4];
-      out += hex[u & 0xf];
+  const auto escape = [&](unsigned char u) {
+    out += "\\x";
+    out += hex[u >> 4];
+    out += hex[u & 0xf];
+  };
+  for (std::size_t i = 0; i < len; ++i) {
+    const auto u = static_cast<unsigned char>(s[i]);
+    const auto next = i + 1 < len ? static_cast<unsigned char>(s[i + 1]) : 0u;
+    if (u == 0xc2 && next >= 0x80 && next <= 0x9f) {  // C1 as UTF-8
+      escape(u);
+      escape(static_cast<unsigned char>(next));
+      ++i;
+    } else if (u < 0x20 || u == 0x7f) {
+      escape(u);
     } else {
-      out += c;
+      out += s[i];
     }
   }
   if (len < s.size()) out += "...";

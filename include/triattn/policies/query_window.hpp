@@ -227,13 +227,10 @@ inline void softmax_rows(row_matrix& x) {
 template <KVCacheView V>
 key_map window_keys(const char* api, const V& view, int layer, int kv_head, std::int64_t n, row_matrix& scratch) {
   const kv_geometry& g = view.geometry();
-  // Every row checked as it is read (`all_finite` vectorises; Eigen's allFinite over a strided
-  // map does not); the element is looked for only in a row that fails.
+  // Every row checked as it is read (`check_key_finite` vectorises; Eigen's allFinite over a
+  // strided map does not).
   const auto check_row = [&](std::int64_t s, const float* row) {
-    if (all_finite(row, g.head_dim)) return;
-    for (int d = 0; d < g.head_dim; ++d)
-      TRIATTN_CHECK(std::isfinite(row[d]), api, "key of layer ", layer, " kv_head ", kv_head, " slot ", s, " has ",
-                    row[d], " at dim ", d, ": keys must be finite");
+    check_key_finite(api, row, g.head_dim, layer, kv_head, s);
   };
   if constexpr (std::is_same_v<V, dense_kv_view>) {
     if (g.type == dtype::f32 && g.k_scale == 1.0f && g.keys == key_state::post_rope) {
@@ -252,12 +249,7 @@ key_map window_keys(const char* api, const V& view, int layer, int kv_head, std:
       if (g.keys == key_state::pre_rope) rope_rotate(g.rope, row, g.head_dim, view.position(layer, kv_head, s));
     }
   };
-  const auto keys = key_accessor_of(view, layer);
-  if constexpr (std::is_same_v<std::remove_cv_t<decltype(keys)>, dtype_accessor>) {
-    visit_dtype(keys.type, [&]<class T>() { decode(scaled_accessor<T>{keys.scale}); });  // one dispatch per row set
-  } else {
-    decode(keys);
-  }
+  with_key_accessor(view, layer, decode);  // one dispatch per (layer, kv_head)
   return key_map(scratch.data(), n, g.head_dim, Eigen::OuterStride<>(g.head_dim));
 }
 

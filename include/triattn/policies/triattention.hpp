@@ -237,13 +237,7 @@ class triattention : public policy_base<triattention> {
       }
       const std::int32_t n = view_.length(l, kvh);
       raw.resize(static_cast<std::size_t>(G) * n);
-      const auto keys = key_accessor_of(view_, l);
-      if constexpr (std::is_same_v<std::remove_cv_t<decltype(keys)>, dtype_accessor>) {
-        // one dispatch per row, then the typed decode inlined into the key loop
-        visit_dtype(keys.type, [&]<class T>() { score_keys(scaled_accessor<T>{keys.scale}, l, kvh, n, R); });
-      } else {
-        score_keys(keys, l, kvh, n, R);
-      }
+      with_key_accessor(view_, l, [&](const auto& keys) { score_keys(keys, l, kvh, n, R); });
     }
 
     /// The raw scores of the n keys of (l, kvh), read through `keys`: blocks of keys, their
@@ -252,7 +246,7 @@ class triattention : public policy_base<triattention> {
     void score_keys(const Accessor& keys, int l, int kvh, std::int32_t n, int R) {
       constexpr int block = 16;
       const int D = g_.head_dim, F = D / 2, G = g_.group_size();
-      const int row_bytes = D * static_cast<int>(dtype_bytes(g_.type));
+      const std::size_t row_bytes = static_cast<std::size_t>(D) * dtype_bytes(g_.type);
       key_.resize(static_cast<std::size_t>(D));
       x_.resize(static_cast<std::size_t>(block) * 3 * F);  // [block, 3F]
       for (std::int32_t s0 = 0; s0 < n; s0 += block) {
@@ -262,7 +256,7 @@ class triattention : public policy_base<triattention> {
           float* x = x_.data() + static_cast<std::ptrdiff_t>(k) * 3 * F;
           // half pairing: the row is already [re | im], decoded straight into the features
           float* row = g_.rope.style == rope_style::half ? x : key_.data();
-          if (s + block < n) prefetch(view_.key(l, kvh, s + block), row_bytes);
+          if (s + block < n) prefetch_bytes(view_.key(l, kvh, s + block), row_bytes);
           keys.load(view_.key(l, kvh, s), D, row);
           if (row != x) triattention_key_features(row, D, g_.rope.style, x);
           if (g_.keys == key_state::pre_rope) rotate_to(view_.position(l, kvh, s), x);
@@ -284,7 +278,7 @@ class triattention : public policy_base<triattention> {
           if (!all_finite(to + static_cast<std::ptrdiff_t>(gi) * n, m))
             for (int k = 0; k < m; ++k) {
               keys.load(view_.key(l, kvh, s0 + k), D, key_.data());
-              if (!all_finite(key_.data(), D)) report_non_finite(key_.data(), l, kvh, s0 + k);
+              check_key_finite(api_, key_.data(), D, l, kvh, s0 + k);
             }
       }
     }
@@ -353,24 +347,6 @@ class triattention : public policy_base<triattention> {
         case 3: triattention_rotate_by_chunks<3>(x, re, im, F); break;
         default: triattention_rotate_by_chunks<4>(x, re, im, F); break;
       }
-    }
-
-    /// Asks for the key row a block ahead: keys stream from memory with a block of arithmetic
-    /// between two reads, and the hardware prefetcher alone leaves the loads waiting.
-    static void prefetch(const std::byte* row, int bytes) {
-#if defined(__GNUC__)
-      for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
-#else
-      (void)row;
-      (void)bytes;
-#endif
-    }
-
-    [[noreturn]] void report_non_finite(const float* key, int l, int kvh, std::int32_t s) const {
-      for (int d = 0; d < g_.head_dim; ++d)
-        TRIATTN_CHECK(std::isfinite(key[d]), api_, "key of layer ", l, " kv_head ", kvh, " slot ", s, " has ", key[d],
-                      " at dim ", d, ": keys must be finite");
-      detail::fail(api_, "layer ", l, " kv_head ", kvh, " slot ", s, ": key is not finite");  // not reached
     }
 
     void blend_history(int l, int kvh, std::span<float> out) {
