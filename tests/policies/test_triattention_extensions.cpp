@@ -193,8 +193,10 @@ TEST_CASE("TriAttention redundancy subtracts the z-scored key redundancy, by the
 
 TEST_CASE("TriAttention score_ema blends each slot's previous decision score across rounds and compaction") {
   auto g = triattn_test::rng(35);
-  int ran = 0;
-  for (int i = 0; i < 32; ++i) {
+  // Trials run until 16 are decisive in both rounds: a near-tie in either round skips a trial,
+  // and 32 fixed trials fell short of 16 for about 3% of seeds.
+  int ran = 0, i = 0;
+  for (; ran < 16 && i < 256; ++i) {
     triattn::triattention_config cfg;
     cfg.score_ema = i % 2 ? 0.5f : 0.9f;
     cfg.round.grain = i % 4 < 2 ? granularity::per_layer : granularity::per_kv_head;
@@ -252,7 +254,8 @@ TEST_CASE("TriAttention score_ema blends each slot's previous decision score acr
       return c.with_view([&](const auto& v) { return policy.compress(v, budget, {r2, 0}); }).freed_pages;
     });
   }
-  CHECK(ran >= 16);
+  INFO("trials drawn: " << i);
+  CHECK(ran == 16);
 }
 
 TEST_CASE("TriAttention extensions: bad values are refused naming the option, the cache untouched") {
