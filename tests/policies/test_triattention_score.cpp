@@ -26,10 +26,17 @@ using triattn_test::cache_layout;
 using triattn_test::test_cache;
 namespace ref = triattn_test::ref;
 
-/// Moves every position of `c` up so that the largest lies just below `round_start`.
-void shift_positions_below(test_cache& c, std::int64_t round_start) {
-  const auto last = *std::max_element(c.positions.begin(), c.positions.end());
-  for (auto& p : c.positions) p += static_cast<std::int32_t>(round_start - 1 - last);
+/// Moves the positions of `c` so that the largest lies just below a round start drawn from
+/// [1, 10^6] but no lower than the positions' span (a smaller one would make the first
+/// position negative); returns that round start.
+std::int64_t shift_positions_below_random_round(test_cache& c, std::mt19937_64& g) {
+  const auto [first, last] = std::minmax_element(c.positions.begin(), c.positions.end());
+  const std::int64_t span = std::int64_t{*last} - *first + 1;
+  const std::int64_t r = std::uniform_int_distribution<std::int64_t>(1, 1000000)(g);
+  const std::int64_t round_start = std::max(r, span);
+  const std::int64_t shift = round_start - 1 - *last;
+  for (auto& p : c.positions) p = static_cast<std::int32_t>(p + shift);
+  return round_start;
 }
 
 /// Largest |oracle score| of a row (0 for an empty row).
@@ -53,7 +60,6 @@ TEST_CASE("TriAttention offsets are the powers of two up to offset_max") {
 
 TEST_CASE("TriAttention folded scores equal the per-offset oracle") {
   auto g = triattn_test::rng(901);
-  std::uniform_int_distribution<std::int64_t> round_of(1, 1000000);
   std::uniform_int_distribution<int> page(1, 5);
   int case_index = 0;
   for (const auto style : {triattn::rope_style::half, triattn::rope_style::interleaved}) {
@@ -75,8 +81,7 @@ TEST_CASE("TriAttention folded scores equal the per-offset oracle") {
               shape.capacity = std::max<std::int64_t>(shape.capacity, 8);
               test_cache c(shape, g);
               for (auto& n : c.lengths) n = n == 0 ? 0 : std::max(n, 8);
-              const std::int64_t r = round_of(g);
-              shift_positions_below(c, r);
+              const std::int64_t r = shift_positions_below_random_round(c, g);
               const auto stats = ref::tri_random_stats(g, c.geometry());
 
               triattn::triattention_config cfg;
