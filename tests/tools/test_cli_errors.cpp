@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -231,6 +234,88 @@ TEST_CASE("bad options are named", "[cli][errors]") {
   f.expect_refused(far, {"--round-start", "must be <= 2147483648"});
   *(r + 1) = "2147483648";
   good_run(f, far, {layers, q_heads, tokens});
+}
+
+TEST_CASE("a bad value inside an array names the file and the problem", "[cli][errors]") {
+  // Issue 15: 1.3% of rejections did not name the file (NaN/Inf in keys, queries or values,
+  // probabilities out of range, an integer array where floats are expected and the reverse),
+  // and more attention rows than tokens was reported as "h2o::observe: position -4".
+  const fixture f;
+  auto g = triattn_test::rng(3);
+  const auto path = [&](const std::string& name) { return (f.dir / name).string(); };
+  // Probabilities in (0, 1) for `--attn`, random floats otherwise, one element set to `bad`.
+  const auto write_f32 = [&](const std::string& p, const std::vector<std::int64_t>& shape, bool probabilities,
+                             std::optional<float> bad = std::nullopt) {
+    std::int64_t n = 1;
+    for (const auto d : shape) n *= d;
+    std::vector<float> v = triattn_test::normal_floats(g, static_cast<std::size_t>(n));
+    if (probabilities)
+      for (float& x : v) x = 0.5f / (1.0f + std::exp(-x));
+    if (bad) v[std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(g)] = *bad;
+    io::write_npy(p, io::element_kind::f32, shape, v.data());
+  };
+  const std::string values = path("values.npy"), attn = path("attn.npy"), queries = path("queries.npy");
+  write_f32(values, {layers, kv_heads, tokens, head_dim}, false);
+  write_f32(attn, {layers, q_heads, 3, tokens}, true);
+  write_f32(queries, {layers, q_heads, 4, head_dim}, false);
+  const auto h2o = [&](const std::string& a) {
+    return std::vector<std::string>{"score", "h2o", "--keys", f.keys, "--attn", a, "--out", f.out};
+  };
+  const auto vatp = [&](const std::string& v) {
+    return std::vector<std::string>{"score", "vatp", "--keys", f.keys, "--values", v, "--attn", attn, "--out", f.out};
+  };
+  const auto snapkv = [&](const std::string& k, const std::string& q) {
+    return std::vector<std::string>{"score", "snapkv", "--keys", k, "--queries", q, "--out", f.out};
+  };
+  good_run(f, h2o(attn), {layers, kv_heads, tokens});
+  good_run(f, vatp(values), {layers, kv_heads, tokens});
+  good_run(f, snapkv(f.keys, queries), {layers, kv_heads, tokens});
+
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity()}) {
+    INFO("bad value " << bad);
+    const std::string k = path("keys_bad.npy"), v = path("values_bad.npy"), a = path("attn_bad.npy"),
+                      q = path("queries_bad.npy");
+    write_f32(k, {layers, kv_heads, tokens, head_dim}, false, bad);
+    write_f32(v, {layers, kv_heads, tokens, head_dim}, false, bad);
+    write_f32(a, {layers, q_heads, 3, tokens}, true, bad);
+    write_f32(q, {layers, q_heads, 4, head_dim}, false, bad);
+    f.expect_refused(f.score_args(k), {k});
+    f.expect_refused(f.select_args(k), {k});
+    f.expect_refused(snapkv(k, queries), {k});
+    f.expect_refused(snapkv(f.keys, q), {q, "queries"});
+    f.expect_refused(vatp(v), {v, "values"});
+    f.expect_refused(h2o(a), {a, "attention"});
+  }
+  for (const float bad : {1.5f, -0.25f}) {
+    const std::string a = path("attn_range.npy");
+    write_f32(a, {layers, q_heads, 3, tokens}, true, bad);
+    f.expect_refused(h2o(a), {a, "[0, 1]"});
+  }
+  // More attention rows than tokens: row r is the query at position N - rows + r.
+  const std::string tall = path("attn_tall.npy");
+  write_f32(tall, {layers, q_heads, tokens + 4, tokens}, true);
+  f.expect_refused(h2o(tall), {tall, "exceed num_tokens"});
+
+  // An integer array where floats are expected, and floats where integers are.
+  const std::string attn_int = path("attn_int.npy"), positions_f32 = path("positions_f32.npy");
+  write_array(attn_int, io::element_kind::i32, {layers, q_heads, 3, tokens});
+  f.expect_refused(h2o(attn_int), {attn_int});
+  write_array(positions_f32, io::element_kind::f32, {layers, kv_heads, tokens});
+  auto pre_rope = f.select_args(f.keys);
+  pre_rope.insert(pre_rope.end(), {"--pre-rope", "--positions", positions_f32});
+  f.expect_refused(pre_rope, {positions_f32, "dtype"});
+  // Integer positions are accepted, and one past int32 is refused naming the file.
+  const std::string positions = path("positions.npy");
+  const std::vector<std::int64_t> pos_shape = {layers, kv_heads, tokens};
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(layers * kv_heads * tokens));
+  for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int64_t>(i % tokens);
+  io::write_npy(positions, io::element_kind::i64, pos_shape, pos.data());
+  pre_rope.back() = positions;
+  good_run(f, pre_rope, {kv_heads, 5});
+  pos[5] = std::int64_t{1} << 40;
+  io::write_npy(positions, io::element_kind::i64, pos_shape, pos.data());
+  f.expect_refused(pre_rope, {positions, "out of range"});
 }
 
 TEST_CASE("inspect escapes the file's metadata before the terminal sees it", "[cli][errors]") {
