@@ -33,8 +33,10 @@ void accumulate(triattn_test::test_cache& cache, const float* probs, float weigh
       const int h = qh / s.group;
       const std::size_t row = row_at(l, Hq, qh, s.capacity), count_row = row_at(l, s.num_kv_heads, h, s.capacity);
       for (std::int32_t j = 0; j < cache.length(l, h); ++j) {
-        const float weighted = weight * probs[row + static_cast<std::size_t>(j)];  // rounded before the sum
-        state.sums[row + static_cast<std::size_t>(j)] += weighted;
+        // one fused multiply-add, as the device's `accumulate_probability` (fmaf); libm's fma
+        // is exact on a host built without an FMA instruction
+        float& sum = state.sums[row + static_cast<std::size_t>(j)];
+        sum = std::fma(weight, probs[row + static_cast<std::size_t>(j)], sum);
         if (qh % s.group == 0) ++state.counts[count_row + static_cast<std::size_t>(j)];
       }
     }

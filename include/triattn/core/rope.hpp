@@ -124,8 +124,10 @@ TRIATTN_HOST_DEVICE void rope_band_dims(rope_style style, int dim, int f, int& r
 template <class T>
 TRIATTN_HOST_DEVICE void rotate_band_cs(T* x, int re, int im, double c, double s) {
   const double a = x[re], b = x[im];
-  x[re] = static_cast<T>(a * c - b * s);
-  x[im] = static_cast<T>(a * s + b * c);
+  // fused on every build (libm's fma without an FMA instruction), so the rotated floats do
+  // not depend on -ffp-contract
+  x[re] = static_cast<T>(std::fma(a, c, -(b * s)));
+  x[im] = static_cast<T>(std::fma(a, s, b * c));
 }
 
 /// Rotates band f of `x` by `phase` radians and scales it by `scale`.

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "triattn/core/config.hpp"
+#include "triattn/core/dot.hpp"
 #include "triattn/core/gqa.hpp"
 #include "triattn/core/selection.hpp"
 
@@ -82,18 +83,10 @@ TRIATTN_HOST_DEVICE float row_weight(prompt_scoring scoring, std::int64_t positi
   return 1.0f / static_cast<float>(window);
 }
 
-/// A running sum after one more probability `p` of a row of weight `weight`. The product is
-/// rounded before the sum on the device (intrinsics forbid nvcc's fused multiply-add), as on a
-/// host without FMA contraction (x86-64's baseline; `-ffp-contract=off` elsewhere, as the
-/// CUDA tests' host side is built), so that both hold the same bits after any number of rows.
-TRIATTN_HOST_DEVICE float accumulate_probability(float sum, float weight, float p) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(sum, __fmul_rn(weight, p));
-#else
-  const float weighted = weight * p;
-  return sum + weighted;
-#endif
-}
+/// A running sum after one more probability `p` of a row of weight `weight`: one
+/// `multiply_add` (core/dot.hpp), fused wherever the build has FMA, so the host and the GPU
+/// hold the same bits after any number of rows whatever -ffp-contract says.
+TRIATTN_HOST_DEVICE float accumulate_probability(float sum, float weight, float p) { return multiply_add(weight, p, sum); }
 
 /// A combined sum divided by the rows that saw the slot (kvpress ObservedAttentionPress); 0
 /// for a slot no row saw, which has no attention to average.

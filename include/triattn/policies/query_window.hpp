@@ -1,6 +1,6 @@
 /// \file triattn/policies/query_window.hpp
 /// \brief What the window-scored policies (SnapKV, R-KV) share: the window of the last w
-/// post-RoPE queries, the window attention recomputed from it with Eigen, and the
+/// post-RoPE queries, the window attention recomputed from it, and the
 /// attach / observe / score / plan scaffolding.
 ///
 /// The library never owns the attention computation. The engine's attention loop hands every
@@ -40,6 +40,7 @@
 
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/config.hpp"
+#include "triattn/core/dot.hpp"
 #include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/rope.hpp"
@@ -179,10 +180,14 @@ class query_window {
 /// Window logits: `out` [rows, n] = q kᵀ / √D for queries `q` [rows, D] and keys `k` [n, D] at
 /// `k_positions` [n], −inf where a key's position is above the query's (the causal mask
 /// inside the window). Query row i is at `q_positions[i % m]` (m = q_positions.size()): the
-/// window rows of several q-heads stacked, one product for the whole group.
+/// window rows of several q-heads stacked, one product for the whole group. The products are
+/// `fixed_order_dot`s, not a BLAS product: a GEMM's summation order follows its SIMD width and
+/// its edge handling, so equal keys could get different logits and builds different keep sets.
 inline void window_logits(const const_rows& q, std::span<const std::int32_t> q_positions, const const_rows& k,
                           std::span<const std::int32_t> k_positions, row_matrix& out) {
-  out.noalias() = q * k.transpose();
+  out.resize(q.rows(), k.rows());
+  fixed_order_dot_block(q.data(), q.outerStride(), static_cast<int>(q.rows()), k.data(), k.outerStride(), k.rows(),
+                        static_cast<int>(q.cols()), out.data(), out.outerStride());
   const float scale = window_logit_scale(static_cast<int>(q.cols()));
   const auto m = static_cast<Eigen::Index>(q_positions.size());
   for (Eigen::Index i = 0; i < out.rows(); ++i) {
@@ -190,6 +195,15 @@ inline void window_logits(const const_rows& q, std::span<const std::int32_t> q_p
     const std::int32_t at = q_positions[static_cast<std::size_t>(i % m)];
     for (Eigen::Index j = 0; j < out.cols(); ++j) row[j] = window_logit(row[j], scale, k_positions[j], at);
   }
+}
+
+/// `out` [cols] = the sum of rows `rows` of `x` (`stride` floats apart), added row after row
+/// (not Eigen's `colwise().sum()`, whose order differs between its vectorised columns and the
+/// tail, which the SIMD width decides).
+inline void add_rows(const float* x, std::ptrdiff_t stride, Eigen::Index rows, Eigen::Index cols, float* out) {
+  std::fill_n(out, cols, 0.0f);
+  for (Eigen::Index r = 0; r < rows; ++r)
+    for (Eigen::Index j = 0; j < cols; ++j) out[j] += x[r * stride + j];
 }
 
 /// Softmax of `x` [n] in place, in fp32, element by element with the formulas the GPU uses

@@ -55,8 +55,8 @@ namespace detail {
 inline void rkv_importance(row_matrix& max_logits, int kernel, std::span<float> out) {
   softmax_rows(max_logits);
   Eigen::RowVectorXf mean(max_logits.cols());
-  for (Eigen::Index j = 0; j < mean.size(); ++j)
-    mean[j] = rkv_attention_mean(max_logits.col(j).sum(), static_cast<int>(max_logits.rows()));
+  add_rows(max_logits.data(), max_logits.cols(), max_logits.rows(), max_logits.cols(), mean.data());
+  for (Eigen::Index j = 0; j < mean.size(); ++j) mean[j] = rkv_attention_mean(mean[j], static_cast<int>(max_logits.rows()));
   pool1d({mean.data(), out.size()}, out, kernel, pooling::max);
 }
 

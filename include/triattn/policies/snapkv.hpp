@@ -105,7 +105,7 @@ inline void snapkv_scores_from_probs(std::span<const float> probs, int group, in
   if (p == 0) return;
   const Eigen::Map<const row_matrix> all(probs.data(), static_cast<Eigen::Index>(group) * rows, n);  // [group * rows, n]
   row_matrix votes(group, p);
-  for (int i = 0; i < group; ++i) votes.row(i) = all.middleRows(static_cast<Eigen::Index>(i) * rows, rows).leftCols(p).colwise().sum();
+  for (int i = 0; i < group; ++i) add_rows(all.row(static_cast<Eigen::Index>(i) * rows).data(), n, rows, p, votes.row(i).data());
   detail::snapkv_finish(votes, c, out.first(static_cast<std::size_t>(p)));
 }
 
@@ -133,7 +133,8 @@ class snapkv : public window_policy<snapkv> {
     window_logits(in.queries, in.query_positions, in.keys, in.key_positions, probs);
     softmax_rows(probs);
     for (int i = 0; i < in.group; ++i)
-      votes.row(i) = probs.middleRows(static_cast<Eigen::Index>(i) * in.rows, in.rows).leftCols(in.prefix).colwise().sum();
+      add_rows(probs.row(static_cast<Eigen::Index>(i) * in.rows).data(), probs.outerStride(), in.rows, in.prefix,
+               votes.row(i).data());
     detail::snapkv_finish(votes, config, out);
   }
 };

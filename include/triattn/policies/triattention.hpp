@@ -264,7 +264,7 @@ class triattention : public policy_base<triattention> {
         }
         float* to = raw.data() + s0;
         if (sets_ == 1) {
-          triattention_block_scores(coef_.data(), R, G, x_.data(), 3 * F, m, F, to, n);
+          fixed_order_dot_block(coef_.data(), R, G, x_.data(), 3 * F, m, 3 * F, to, n);
         } else {
           for (int gi = 0; gi < G; ++gi)
             for (int k = 0; k < m; ++k)
@@ -354,7 +354,7 @@ class triattention : public policy_base<triattention> {
       const float* past = p_.history_row(p_.history_, l, kvh);
       float* next = p_.history_row(p_.pending_, l, kvh);
       for (std::size_t s = 0; s < out.size(); ++s) {
-        if (!std::isnan(past[s])) out[s] = beta * past[s] + (1.0f - beta) * out[s];
+        if (!std::isnan(past[s])) out[s] = multiply_add(beta, past[s], (1.0f - beta) * out[s]);
         next[s] = out[s];
       }
     }
@@ -366,7 +366,7 @@ class triattention : public policy_base<triattention> {
       extra_.resize(out.size());
       rkv_redundancy(keys, p_.config.redundancy_threshold, extra_);
       normalize_row(extra_, candidate);
-      for (std::size_t s = 0; s < out.size(); ++s) out[s] -= p_.config.redundancy * extra_[s];
+      for (std::size_t s = 0; s < out.size(); ++s) out[s] = multiply_add(-p_.config.redundancy, extra_[s], out[s]);
     }
 
     void protect_values(int l, int kvh, std::span<const std::uint8_t> candidate, std::span<float> out) {

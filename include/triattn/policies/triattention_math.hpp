@@ -28,6 +28,7 @@
 #endif
 
 #include "triattn/core/config.hpp"
+#include "triattn/core/dot.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/rope.hpp"
 
@@ -76,8 +77,10 @@ TRIATTN_HOST_DEVICE void triattention_trig_coefficients(const float* q_mean_re, 
                                                         double scale, float* c_re, float* c_im) {
   for (int f = 0; f < num_bands; ++f) {
     const double qr = q_mean_re[f], qi = q_mean_im[f];
-    c_re[f] = static_cast<float>(scale * (qr * w_re[f] - qi * w_im[f]));
-    c_im[f] = static_cast<float>(scale * (qr * w_im[f] + qi * w_re[f]));
+    // fused in double on every build (libm's fma where the build has no FMA instruction):
+    // once per round, and the floats then do not depend on -ffp-contract
+    c_re[f] = static_cast<float>(scale * std::fma(qr, w_re[f], -(qi * w_im[f])));
+    c_im[f] = static_cast<float>(scale * std::fma(qr, w_im[f], qi * w_re[f]));
   }
 }
 
@@ -88,7 +91,7 @@ TRIATTN_HOST_DEVICE void triattention_norm_coefficients(const float* q_mean_re, 
                                                         float* e) {
   for (int f = 0; f < num_bands; ++f) {
     const double qr = q_mean_re[f], qi = q_mean_im[f];
-    e[f] = static_cast<float>(scale * (q_abs_mean[f] - std::sqrt(qr * qr + qi * qi)));
+    e[f] = static_cast<float>(scale * (q_abs_mean[f] - std::sqrt(std::fma(qr, qr, qi * qi))));  // fused, as above
   }
 }
 
@@ -116,7 +119,7 @@ TRIATTN_HOST_DEVICE void triattention_key_features(const float* key, int head_di
 TRIATTN_HOST_DEVICE void triattention_key_moduli(float* x, int num_bands) {
   const int F = num_bands;
   float* m = x + 2 * F;
-  for (int f = 0; f < F; ++f) m[f] = x[f] * x[f] + x[F + f] * x[F + f];
+  for (int f = 0; f < F; ++f) m[f] = multiply_add(x[f], x[f], x[F + f] * x[F + f]);
   int f = 0;
 #if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
   for (; f + 16 <= F; f += 16) _mm512_storeu_ps(m + f, _mm512_sqrt_ps(_mm512_loadu_ps(m + f)));
@@ -155,8 +158,8 @@ TRIATTN_HOST_DEVICE int triattention_position_chunks(std::int64_t p) {
 /// Multiplies the complex number (re, im) by (b_re, b_im) in place, in float: a product of
 /// phasors, or a band rotated by one.
 TRIATTN_HOST_DEVICE void triattention_phasor_multiply(float& re, float& im, float b_re, float b_im) {
-  const float r = re * b_re - im * b_im;
-  im = re * b_im + im * b_re;
+  const float r = multiply_add(re, b_re, -(im * b_im));
+  im = multiply_add(re, b_im, im * b_re);
   re = r;
 }
 
@@ -194,23 +197,6 @@ TRIATTN_HOST_DEVICE void triattention_rotate_by_chunks(float* x, const float* co
   }
 }
 
-namespace detail {
-/// Σ_i a_i b_i in float over 16 independent partial sums in a fixed order: one vector
-/// register's worth of lanes at any SIMD width (the compiler maps them to 4, 2 or 1
-/// registers), short dependency chains, and the same sum on every build and on the GPU.
-TRIATTN_HOST_DEVICE float triattention_dot(const float* a, const float* b, int n) {
-  constexpr int lanes = 16;
-  float part[lanes] = {};
-  int i = 0;
-  for (; i + lanes <= n; i += lanes)
-    for (int k = 0; k < lanes; ++k) part[k] += a[i + k] * b[i + k];
-  for (int k = 0; i + k < n; ++k) part[k] += a[i + k] * b[i + k];
-  for (int width = lanes / 2; width >= 1; width /= 2)
-    for (int k = 0; k < width; ++k) part[k] += part[k + width];
-  return part[0];
-}
-}  // namespace detail
-
 /// Length of one q-head's coefficient row for `num_sets` phasor sets: [sets][c_re | c_im]
 /// (2F each) then e [F]. With one set (mean aggregation) the row is [c_re | c_im | e], the
 /// same layout as a key's features.
@@ -223,99 +209,13 @@ TRIATTN_HOST_DEVICE int triattention_coefficient_row(int num_sets, int num_bands
 /// Σ_f e_f |K_f|. One set: one dot product of length 3F.
 TRIATTN_HOST_DEVICE float triattention_key_score(const float* coef, int num_sets, const float* x, int num_bands) {
   const int F = num_bands;
-  if (num_sets == 1) return detail::triattention_dot(coef, x, 3 * F);
+  if (num_sets == 1) return fixed_order_dot(coef, x, 3 * F);
   float trig = 0.0f;
   for (int j = 0; j < num_sets; ++j) {
-    const float t = detail::triattention_dot(coef + 2 * j * F, x, 2 * F);
+    const float t = fixed_order_dot(coef + 2 * j * F, x, 2 * F);
     trig = j == 0 || t > trig ? t : trig;
   }
-  return trig + detail::triattention_dot(coef + 2 * num_sets * F, x + 2 * F, F);
-}
-
-namespace detail {
-#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
-/// The 16 partial sums of each of 4 accumulators reduced by `triattention_dot`'s tree (lane
-/// j += lane j + 8, then j + 4, j + 2, j + 1), the four at once, into `out` [4]. Two-source
-/// permutes only: GCC 12 warns (-Wuninitialized) on the intrinsics with an undefined operand.
-inline void triattention_reduce4x16(const __m512 (&acc)[4], float* out) {
-  const auto idx = [](int a, int b, int c, int d, int e, int f, int g, int h, int i, int j, int k, int l, int m, int n,
-                      int o, int p) { return _mm512_setr_epi32(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p); };
-  const __m512i lo8 = idx(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi8 = idx(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  // [a + a >> 8 | b + b >> 8], [c ... | d ...]: 8 lanes per key
-  const __m512 ab = _mm512_add_ps(_mm512_permutex2var_ps(acc[0], lo8, acc[1]), _mm512_permutex2var_ps(acc[0], hi8, acc[1]));
-  const __m512 cd = _mm512_add_ps(_mm512_permutex2var_ps(acc[2], lo8, acc[3]), _mm512_permutex2var_ps(acc[2], hi8, acc[3]));
-  // 4 lanes per key: lane j + lane j + 4
-  const __m512i lo4 = idx(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi4 = idx(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512 w4 = _mm512_add_ps(_mm512_permutex2var_ps(ab, lo4, cd), _mm512_permutex2var_ps(ab, hi4, cd));
-  // lane j + lane j + 2, then lane 0 + lane 1, in each key's group of 4
-  const __m512i up2 = idx(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
-  const __m512 w2 = _mm512_add_ps(w4, _mm512_permutex2var_ps(w4, up2, w4));
-  const __m512i up1 = idx(1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13);
-  const __m512 w1 = _mm512_add_ps(w2, _mm512_permutex2var_ps(w2, up1, w2));
-  _mm512_mask_compressstoreu_ps(out, 0x1111, w1);  // lanes 0, 4, 8, 12: the four sums
-}
-
-/// 4 keys x `Heads` q-heads in registers: each x load serves every head, each coefficient
-/// load every key (16 + 4 + 1 of the 32 zmm registers at 4 heads).
-template <int Heads>
-inline void triattention_block_avx512(const float* coef, int coef_stride, const float* x, int x_stride, int n,
-                                      float* out, std::int64_t out_stride) {
-  __m512 acc[4][Heads];
-  for (int k = 0; k < 4; ++k)
-    for (int g = 0; g < Heads; ++g) acc[k][g] = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 16) {
-    __m512 xv[4];
-    for (int k = 0; k < 4; ++k) xv[k] = _mm512_loadu_ps(x + k * x_stride + i);
-    for (int g = 0; g < Heads; ++g) {
-      const __m512 c = _mm512_loadu_ps(coef + g * coef_stride + i);
-      for (int k = 0; k < 4; ++k) {
-#if defined(__FMA__)  // what the compiler's contraction makes of the scalar `part += a * b`
-        acc[k][g] = _mm512_fmadd_ps(c, xv[k], acc[k][g]);
-#else
-        acc[k][g] = _mm512_add_ps(acc[k][g], _mm512_mul_ps(c, xv[k]));
-#endif
-      }
-    }
-  }
-  for (int g = 0; g < Heads; ++g) {
-    const __m512 keys[4] = {acc[0][g], acc[1][g], acc[2][g], acc[3][g]};
-    triattention_reduce4x16(keys, out + g * out_stride);
-  }
-}
-#endif
-}  // namespace detail
-
-/// Scores of `keys` keys (features `x` [keys][3F], `x_stride` floats apart) against `heads`
-/// q-heads' single-set coefficient rows (`coef` [heads][coef_stride], 3F used) into `out`
-/// [heads][out_stride]: each the float `triattention_key_score(coef_g, 1, x_k, F)` gives (the
-/// same 16 partial sums in the same order). On AVX-512 hosts, 4 keys at a time against up to
-/// 4 heads in registers; elsewhere one dot product per (key, head).
-TRIATTN_HOST_DEVICE void triattention_block_scores(const float* coef, int coef_stride, int heads, const float* x,
-                                                   int x_stride, int keys, int num_bands, float* out,
-                                                   std::int64_t out_stride) {
-  const int n = 3 * num_bands;
-  int k0 = 0;
-#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
-  if (n % 16 == 0)
-    for (; k0 + 4 <= keys; k0 += 4)
-      for (int g0 = 0; g0 < heads; g0 += 4) {
-        const float* c = coef + static_cast<std::ptrdiff_t>(g0) * coef_stride;
-        const float* xk = x + static_cast<std::ptrdiff_t>(k0) * x_stride;
-        float* o = out + g0 * out_stride + k0;
-        switch (heads - g0 < 4 ? heads - g0 : 4) {
-          case 1: detail::triattention_block_avx512<1>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
-          case 2: detail::triattention_block_avx512<2>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
-          case 3: detail::triattention_block_avx512<3>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
-          default: detail::triattention_block_avx512<4>(c, coef_stride, xk, x_stride, n, o, out_stride); break;
-        }
-      }
-#endif
-  for (int g = 0; g < heads; ++g)
-    for (int k = k0; k < keys; ++k)
-      out[g * out_stride + k] = detail::triattention_dot(coef + static_cast<std::ptrdiff_t>(g) * coef_stride,
-                                                         x + static_cast<std::ptrdiff_t>(k) * x_stride, n);
+  return trig + fixed_order_dot(coef + 2 * num_sets * F, x + 2 * F, F);
 }
 
 /// One candidate's term of a row's sum of squared deviations from the row's mean, in double.

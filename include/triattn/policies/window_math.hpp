@@ -4,7 +4,7 @@
 /// (cuda/window_attention.cuh, cuda/snapkv.cuh, cuda/rkv.cuh).
 ///
 /// Each function computes one element (one (query, key) logit, one softmax entry, one cell of
-/// R-KV's similarity matrix); the CPU loops over them around its Eigen products and the GPU
+/// R-KV's similarity matrix); the CPU loops over them around its dot products and the GPU
 /// calls them from its kernels, so the two paths cannot drift apart. Eigen-free and
 /// exception-free: raw scalars only, `INFINITY` instead of `std::numeric_limits` (not usable
 /// in device code).
@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "triattn/core/config.hpp"
+#include "triattn/core/dot.hpp"
 #include "triattn/core/dtype.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
@@ -30,21 +31,21 @@ TRIATTN_HOST_DEVICE float window_logit(float dot, float scale, std::int32_t key_
 
 /// e^x for x <= 0 (a logit minus its row's largest), within 2 ulp of `expf`, written out so
 /// that a row's loop vectorises on the CPU (libm's `expf` is a call per element) and the GPU
-/// computes the same float: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cody-Waite),
+/// computes the same float (every multiply-add explicit, `multiply_add`): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cody-Waite),
 /// e^r by Cephes' degree-7 polynomial, 2^n by the exponent bits. Below -87.3 (where e^x is
 /// under 2^-126) it returns 0.
 TRIATTN_HOST_DEVICE float window_exp(float x) {
   const float clamped = x < -87.3f ? -87.3f : x;
   const float shifter = 12582912.0f;  // 1.5 x 2^23: adding it rounds to an integer, in any rounding code
-  const float n = (clamped * 1.44269504088896341f + shifter) - shifter;
-  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  const float n = multiply_add(clamped, 1.44269504088896341f, shifter) - shifter;
+  const float r = multiply_add(n, 2.12194440e-4f, multiply_add(-n, 0.693359375f, clamped));  // n ln2_hi is exact
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * (r * r) + r + 1.0f;
+  p = multiply_add(p, r, 1.3981999507e-3f);
+  p = multiply_add(p, r, 8.3334519073e-3f);
+  p = multiply_add(p, r, 4.1665795894e-2f);
+  p = multiply_add(p, r, 1.6666665459e-1f);
+  p = multiply_add(p, r, 5.0000001201e-1f);
+  const float e = multiply_add(p, r * r, r) + 1.0f;
   const float two_n = detail::bits_float(static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23);
   return x < -87.3f ? 0.0f : e * two_n;
 }
@@ -98,7 +99,7 @@ TRIATTN_HOST_DEVICE float rkv_column_mean(float sum, std::int64_t n) { return su
 
 /// R-KV's score of a prefix slot: Z = λ I − (1 − λ) R.
 TRIATTN_HOST_DEVICE float rkv_mix(float importance, float redundancy, float lambda) {
-  return lambda * importance - (1.0f - lambda) * redundancy;
+  return multiply_add(lambda, importance, -((1.0f - lambda) * redundancy));
 }
 
 TRIATTN_NAMESPACE_END

@@ -1,0 +1,133 @@
+/// \file triattn/core/dot.hpp
+/// \brief Dot products whose floats do not depend on the build: the same sum from a scalar
+/// loop, an SSE, AVX2 or AVX-512 build, and the GPU, so that keep sets do not either.
+///
+/// Two things make a float dot product differ between builds of the same code:
+///
+/// - **Summation order.** A vectorised loop (or a BLAS) sums in as many lanes as its registers
+///   hold, then reduces them; a different width is a different order. Here the order is fixed:
+///   16 partial sums (element i goes to partial i mod 16), reduced by a fixed tree. Any build
+///   maps the 16 partials onto 1, 2 or 4 registers and computes the same floats.
+/// - **Contraction.** Whether `acc + a * b` is one fused multiply-add (one rounding) or two
+///   roundings depends on the compiler's -ffp-contract and on its flags for each loop. Here it
+///   is explicit (`multiply_add`): fused wherever the build has an FMA instruction (x86 FMA3,
+///   AArch64, CUDA), else two roundings, whatever -ffp-contract says.
+///
+/// So every build with FMA (x86-64-v3, AVX-512, AArch64, CUDA) gives bit-identical dots; a build
+/// without it (x86-64's baseline, SSE2) rounds each product and can differ in the last bits,
+/// which can only reorder scores closer than that. tests/determinism compares the builds.
+#pragma once
+
+#include <math.h>
+
+#include <cstddef>
+#include <cstdint>
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "triattn/core/config.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// a b + c: fused (one rounding) where the build has an FMA instruction, else two roundings.
+/// Explicit so that -ffp-contract cannot make two paths of one build disagree.
+TRIATTN_HOST_DEVICE float multiply_add(float a, float b, float c) {
+// AVX-512F has FMA instructions of its own (-mavx512f alone does not define __FMA__).
+#if defined(__CUDA_ARCH__) || defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
+  return fmaf(a, b, c);
+#else
+  return a * b + c;  // no FMA instruction: nothing can contract this
+#endif
+}
+
+/// Σ_i a_i b_i over 16 partial sums in a fixed order (see the file comment): partial k takes
+/// elements i ≡ k (mod 16), then partial k += partial k + 8, + 4, + 2, + 1.
+TRIATTN_HOST_DEVICE float fixed_order_dot(const float* a, const float* b, int n) {
+  constexpr int lanes = 16;
+  float part[lanes] = {};
+  int i = 0;
+  for (; i + lanes <= n; i += lanes)
+    for (int k = 0; k < lanes; ++k) part[k] = multiply_add(a[i + k], b[i + k], part[k]);
+  for (int k = 0; i + k < n; ++k) part[k] = multiply_add(a[i + k], b[i + k], part[k]);
+  for (int width = lanes / 2; width >= 1; width /= 2)
+    for (int k = 0; k < width; ++k) part[k] += part[k + width];
+  return part[0];
+}
+
+namespace detail {
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+/// The 16 partial sums of each of 4 accumulators reduced by `fixed_order_dot`'s tree (lane
+/// j += lane j + 8, then j + 4, j + 2, j + 1), the four at once, into `out` [4]. Two-source
+/// permutes only: GCC 12 warns (-Wuninitialized) on the intrinsics with an undefined operand.
+inline void dot_reduce4x16(const __m512 (&acc)[4], float* out) {
+  const auto idx = [](int a, int b, int c, int d, int e, int f, int g, int h, int i, int j, int k, int l, int m, int n,
+                      int o, int p) { return _mm512_setr_epi32(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p); };
+  const __m512i lo8 = idx(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi8 = idx(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // [a + a >> 8 | b + b >> 8], [c ... | d ...]: 8 lanes per accumulator
+  const __m512 ab = _mm512_add_ps(_mm512_permutex2var_ps(acc[0], lo8, acc[1]), _mm512_permutex2var_ps(acc[0], hi8, acc[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_permutex2var_ps(acc[2], lo8, acc[3]), _mm512_permutex2var_ps(acc[2], hi8, acc[3]));
+  // 4 lanes per accumulator: lane j + lane j + 4
+  const __m512i lo4 = idx(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi4 = idx(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512 w4 = _mm512_add_ps(_mm512_permutex2var_ps(ab, lo4, cd), _mm512_permutex2var_ps(ab, hi4, cd));
+  // lane j + lane j + 2, then lane 0 + lane 1, in each accumulator's group of 4
+  const __m512i up2 = idx(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  const __m512 w2 = _mm512_add_ps(w4, _mm512_permutex2var_ps(w4, up2, w4));
+  const __m512i up1 = idx(1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13);
+  const __m512 w1 = _mm512_add_ps(w2, _mm512_permutex2var_ps(w2, up1, w2));
+  _mm512_mask_compressstoreu_ps(out, 0x1111, w1);  // lanes 0, 4, 8, 12: the four sums
+}
+
+/// 4 columns x `Rows` rows in registers: each column load serves every row, each row load
+/// every column (16 + 4 + 1 of the 32 zmm registers at 4 rows). n % 16 == 0.
+template <int Rows>
+inline void dot_block_avx512(const float* a, std::ptrdiff_t a_stride, const float* b, std::ptrdiff_t b_stride, int n,
+                             float* out, std::ptrdiff_t out_stride) {
+  __m512 acc[4][Rows];
+  for (int k = 0; k < 4; ++k)
+    for (int g = 0; g < Rows; ++g) acc[k][g] = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    __m512 bv[4];
+    for (int k = 0; k < 4; ++k) bv[k] = _mm512_loadu_ps(b + k * b_stride + i);
+    for (int g = 0; g < Rows; ++g) {
+      const __m512 av = _mm512_loadu_ps(a + g * a_stride + i);
+      for (int k = 0; k < 4; ++k) acc[k][g] = _mm512_fmadd_ps(av, bv[k], acc[k][g]);  // AVX-512F implies FMA
+    }
+  }
+  for (int g = 0; g < Rows; ++g) {
+    const __m512 cols[4] = {acc[0][g], acc[1][g], acc[2][g], acc[3][g]};
+    dot_reduce4x16(cols, out + g * out_stride);
+  }
+}
+#endif
+}  // namespace detail
+
+/// out[r * out_stride + c] = fixed_order_dot(a_r, b_c, n) for `rows` rows a_r (`a_stride`
+/// floats apart) and `cols` columns b_c (`b_stride` apart): the same floats as one call per
+/// pair. On AVX-512 hosts (n a multiple of 16) 4 columns x up to 4 rows stay in registers.
+TRIATTN_HOST_DEVICE void fixed_order_dot_block(const float* a, std::ptrdiff_t a_stride, int rows, const float* b,
+                                               std::ptrdiff_t b_stride, std::int64_t cols, int n, float* out,
+                                               std::ptrdiff_t out_stride) {
+  std::int64_t c0 = 0;
+#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+  if (n % 16 == 0)
+    for (; c0 + 4 <= cols; c0 += 4)
+      for (int r0 = 0; r0 < rows; r0 += 4) {
+        const float* ar = a + r0 * a_stride;
+        const float* bc = b + c0 * b_stride;
+        float* o = out + r0 * out_stride + c0;
+        switch (rows - r0 < 4 ? rows - r0 : 4) {
+          case 1: detail::dot_block_avx512<1>(ar, a_stride, bc, b_stride, n, o, out_stride); break;
+          case 2: detail::dot_block_avx512<2>(ar, a_stride, bc, b_stride, n, o, out_stride); break;
+          case 3: detail::dot_block_avx512<3>(ar, a_stride, bc, b_stride, n, o, out_stride); break;
+          default: detail::dot_block_avx512<4>(ar, a_stride, bc, b_stride, n, o, out_stride); break;
+        }
+      }
+#endif
+  for (int r = 0; r < rows; ++r)
+    for (std::int64_t c = c0; c < cols; ++c) out[r * out_stride + c] = fixed_order_dot(a + r * a_stride, b + c * b_stride, n);
+}
+
+TRIATTN_NAMESPACE_END
