@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "support/views.hpp"
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/error.hpp"
+#include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
 #include "triattn/policies/policy.hpp"
@@ -236,6 +238,30 @@ TEST_CASE("a budget below 1 is rejected, untouched") {
                          {"budget " + std::to_string(b)});
       }
       require_rejected(c, [&] { (void)policy.plan(v, 0); }, {"triattn::streaming_llm::plan", "budget 0"});
+    });
+  }
+}
+
+TEST_CASE("a round start past 2^31 is rejected, untouched: round start + offset must not overflow") {
+  // Issue 15, item 6: a round start near INT64_MAX overflowed `round_start + offset` (UBSan in
+  // debug builds, a wrong keep set in Release). Cached positions are int32, so every round
+  // start above 2^31 is refused, by the round pipeline and by TriAttention's scorer alike.
+  auto g = triattn_test::rng(605);
+  for (const auto layout : triattn_test::all_layouts) {
+    INFO(layout_name(layout));
+    test_cache c = full_cache(g, layout);
+    c.with_view([&](const auto& v) {
+      triattn::streaming_llm policy;
+      for (const std::int64_t r : {triattn::max_round_start + 1, std::numeric_limits<std::int64_t>::max()}) {
+        const needles want = {"triattn::compress", "round start " + std::to_string(r), "must be <= 2^31"};
+        require_rejected(c, [&] { triattn::compress(policy, v, budget, {.position = r}); }, want);
+        require_rejected(c, [&] { triattn::maybe_compress(policy, v, budget, {.position = r}); },
+                         {"round start " + std::to_string(r)});
+      }
+      // 2^31 itself is a valid round start: the round runs.
+      const auto before = c.snapshot();
+      triattn::compress(policy, v, budget, {.position = triattn::max_round_start});
+      CHECK_FALSE(c.snapshot() == before);
     });
   }
 }

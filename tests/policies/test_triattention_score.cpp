@@ -156,6 +156,14 @@ TEST_CASE("TriAttention score rejects bad outputs, non-finite keys and mismatche
   std::vector<float> out(n + 1);
   CHECK_THROWS_WITH(policy.score(c.dense_view(), 100, out),
                     Catch::Contains("triattn::triattention::score") && Catch::Contains("output holds"));
+  // Issue 15, item 6: round start + offset must not overflow int64; scores are not written.
+  out.assign(n, -1.0f);
+  for (const std::int64_t r : {std::int64_t{1} << 31 | 1, std::numeric_limits<std::int64_t>::max(), std::int64_t{-1}})
+    CHECK_THROWS_WITH(policy.score(c.dense_view(), r, out),
+                      Catch::Contains("triattn::triattention::score") &&
+                          Catch::Contains("round start " + std::to_string(r) + " must be in [0, 2^31]"));
+  CHECK(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
+  out.resize(n + 1);
 
   const int l = shape.num_layers - 1, h = shape.num_kv_heads - 1;
   auto key = c.key(l, h, 5);

@@ -17,6 +17,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli.hpp"
@@ -195,4 +196,37 @@ TEST_CASE("triattn calibrate matches E[q_f] and E|q_f| recomputed in double", "[
     const double printed = std::strtod(in.out.c_str() + at + std::strlen(label), nullptr);
     CHECK(std::abs(printed - want) <= 0.5e-4 + 1e-6);  // printed with 4 decimals
   }
+}
+
+TEST_CASE("calibrate's integer options are refused past their range, never narrowed", "[cli][calibrate]") {
+  // Issue 15, item 16: `--windows 4294967297` was narrowed to 1 window and ran. Every value
+  // past an option's range exits 2 with one line naming the option, and writes nothing.
+  const fs::path data = triattn_test::data_dir();
+  const fs::path model_path = data / "models" / "stories260K" / "stories260K.bin";
+  const fs::path tok_path = data / "models" / "stories260K" / "tok512.bin";
+  const fs::path text_path = data / "data" / "tinystories_train_head.txt";
+  REQUIRE(fs::exists(text_path));
+  const scratch_dir dir("cli_calibrate_bounds");
+  const std::string out = (dir / "stats.safetensors").string();
+  const auto command = [&](const std::string& option, const std::string& value) {
+    return std::vector<std::string>{"calibrate", "--model", model_path.string(), "--tokenizer", tok_path.string(),
+                                    "--text", text_path.string(), "--out", out, "--windows", "1", option, value};
+  };
+  for (const auto& [option, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--windows", "4294967297"},
+           {"--windows", "2147483648"},
+           {"--windows", "0"},
+           {"--window-tokens", "4294967328"},
+           {"--window-tokens", "0"},
+           {"--window-tokens", "99999999999999999999"}}) {
+    INFO(option << " " << value);
+    const auto r = run_cli(dir, command(option, value));
+    triattn_test::cli::check_one_line_error(r, {option});
+    CHECK(!fs::exists(out));
+  }
+  // In range, the same command runs (so the refusals above come from the values).
+  const auto r = run_cli(dir, command("--window-tokens", "32"));
+  INFO("command: " << r.command << "\nstderr: " << r.err);
+  CHECK(r.code == 0);
+  CHECK(fs::exists(out));
 }
