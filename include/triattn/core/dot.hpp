@@ -10,16 +10,18 @@
 ///   maps the 16 partials onto 1, 2 or 4 registers and computes the same floats.
 /// - **Contraction.** Whether `acc + a * b` is one fused multiply-add (one rounding) or two
 ///   roundings depends on the compiler's -ffp-contract and on its flags for each loop. Here it
-///   is explicit (`multiply_add`): fused wherever the build has an FMA instruction (x86 FMA3,
-///   AArch64, CUDA), else two roundings, whatever -ffp-contract says.
+///   is explicit (`multiply_add`) and always fused: the FMA instruction where the build has one
+///   (x86 FMA3, AVX-512, AArch64, CUDA), else an exact emulation in double precision
+///   (`fused_multiply_add_emulated`), whatever -ffp-contract says.
 ///
-/// So every build with FMA (x86-64-v3, AVX-512, AArch64, CUDA) gives bit-identical dots; a build
-/// without it (x86-64's baseline, SSE2) rounds each product and can differ in the last bits,
-/// which can only reorder scores closer than that. tests/determinism compares the builds.
+/// So every build gives bit-identical dots: x86-64's baseline (SSE2), x86-64-v3, AVX-512,
+/// AArch64 and the GPU's `fmaf`. tests/determinism compares the builds.
 #pragma once
 
-#include <math.h>
+#include <math.h>  // fmaf in device code
 
+#include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
@@ -30,14 +32,35 @@
 
 TRIATTN_NAMESPACE_BEGIN
 
-/// a b + c: fused (one rounding) where the build has an FMA instruction, else two roundings.
-/// Explicit so that -ffp-contract cannot make two paths of one build disagree.
+/// a b + c rounded once to float (IEEE 754 fusedMultiplyAdd) without an FMA instruction: the
+/// builds that lack one (x86-64's baseline) then score the same floats as those that have one.
+/// The product of two floats is exact in double (48 significant bits); the sum is rounded to
+/// double and its error recovered exactly (TwoSum); rounding that double to odd (an inexact
+/// result with an even last bit moves one ulp toward the exact sum) keeps the information the
+/// final rounding needs, so rounding it to float rounds the exact a b + c correctly, double
+/// rounding included (Boldo & Melquiond 2008: 53 >= 24 + 2 bits). No product here can be
+/// contracted: the targets that call this have no FMA instruction to contract into.
+inline float fused_multiply_add_emulated(float a, float b, float c) {
+  const double p = static_cast<double>(a) * static_cast<double>(b);  // exact
+  const double cd = static_cast<double>(c);
+  const double s = p + cd;
+  const double t = s - p;
+  const double e = (p - (s - t)) + (cd - t);  // p + c == s + e exactly, when s is finite
+  auto bits = std::bit_cast<std::uint64_t>(s);
+  // s == 0 only when the sum is exact; an infinite or NaN s came from such inputs (e is NaN).
+  if (e != 0.0 && (bits & 1u) == 0 && std::isfinite(s)) bits += ((e > 0.0) == (s > 0.0)) ? 1u : ~std::uint64_t{0};
+  return static_cast<float>(std::bit_cast<double>(bits));
+}
+
+/// a b + c rounded once: the FMA instruction where the build has one, else the same float
+/// emulated (`fused_multiply_add_emulated`). Explicit so that neither -ffp-contract nor the
+/// instruction set can make two builds, or two paths of one build, disagree.
 TRIATTN_HOST_DEVICE float multiply_add(float a, float b, float c) {
 // AVX-512F has FMA instructions of its own (-mavx512f alone does not define __FMA__).
 #if defined(__CUDA_ARCH__) || defined(__FMA__) || defined(__AVX512F__) || defined(__ARM_FEATURE_FMA)
   return fmaf(a, b, c);
 #else
-  return a * b + c;  // no FMA instruction: nothing can contract this
+  return fused_multiply_add_emulated(a, b, c);
 #endif
 }
 

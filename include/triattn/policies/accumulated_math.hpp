@@ -84,8 +84,8 @@ TRIATTN_HOST_DEVICE float row_weight(prompt_scoring scoring, std::int64_t positi
 }
 
 /// A running sum after one more probability `p` of a row of weight `weight`: one
-/// `multiply_add` (core/dot.hpp), fused wherever the build has FMA, so the host and the GPU
-/// hold the same bits after any number of rows whatever -ffp-contract says.
+/// `multiply_add` (core/dot.hpp), rounded once on every build, so the host and the GPU hold
+/// the same bits after any number of rows whatever -ffp-contract says.
 TRIATTN_HOST_DEVICE float accumulate_probability(float sum, float weight, float p) { return multiply_add(weight, p, sum); }
 
 /// A combined sum divided by the rows that saw the slot (kvpress ObservedAttentionPress); 0
