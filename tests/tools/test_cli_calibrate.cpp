@@ -73,13 +73,19 @@ struct query_sums final : llama2c::observer {
   std::vector<std::int64_t> tokens;  ///< [layers] tokens seen in this window
 };
 
+/// The stories260K model, its tokenizer and the calibration text under the data directory.
+struct stories260k_files {
+  fs::path data = triattn_test::data_dir();
+  fs::path model = data / "models" / "stories260K" / "stories260K.bin";
+  fs::path tokenizer = data / "models" / "stories260K" / "tok512.bin";
+  fs::path text = data / "data" / "tinystories_train_head.txt";
+};
+
 }  // namespace
 
 TEST_CASE("triattn calibrate matches E[q_f] and E|q_f| recomputed in double", "[cli][calibrate]") {
-  const fs::path data = triattn_test::data_dir();
-  const fs::path model_path = data / "models" / "stories260K" / "stories260K.bin";
-  const fs::path tok_path = data / "models" / "stories260K" / "tok512.bin";
-  const fs::path text_path = data / "data" / "tinystories_train_head.txt";
+  const stories260k_files files;
+  const fs::path &model_path = files.model, &tok_path = files.tokenizer, &text_path = files.text;
   REQUIRE(fs::exists(text_path));
 
   const scratch_dir dir("cli_calibrate");
@@ -201,10 +207,8 @@ TEST_CASE("triattn calibrate matches E[q_f] and E|q_f| recomputed in double", "[
 TEST_CASE("calibrate's integer options are refused past their range, never narrowed", "[cli][calibrate]") {
   // Issue 15, item 16: `--windows 4294967297` was narrowed to 1 window and ran. Every value
   // past an option's range exits 2 with one line naming the option, and writes nothing.
-  const fs::path data = triattn_test::data_dir();
-  const fs::path model_path = data / "models" / "stories260K" / "stories260K.bin";
-  const fs::path tok_path = data / "models" / "stories260K" / "tok512.bin";
-  const fs::path text_path = data / "data" / "tinystories_train_head.txt";
+  const stories260k_files files;
+  const fs::path &model_path = files.model, &tok_path = files.tokenizer, &text_path = files.text;
   REQUIRE(fs::exists(text_path));
   const scratch_dir dir("cli_calibrate_bounds");
   const std::string out = (dir / "stats.safetensors").string();

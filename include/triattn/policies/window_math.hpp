@@ -31,9 +31,9 @@ TRIATTN_HOST_DEVICE float window_logit(float dot, float scale, std::int32_t key_
 
 /// e^x for x <= 0 (a logit minus its row's largest), within 2 ulp of `expf`, written out so
 /// that a row's loop vectorises on the CPU (libm's `expf` is a call per element) and the GPU
-/// computes the same float (every multiply-add explicit, `multiply_add`): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two, Cody-Waite),
-/// e^r by Cephes' degree-7 polynomial, 2^n by the exponent bits. Below -87.3 (where e^x is
-/// under 2^-126) it returns 0.
+/// computes the same float (every multiply-add explicit, `multiply_add`): x = n ln2 + r with
+/// |r| <= ln2 / 2 (ln2 split in two, Cody-Waite), e^r by Cephes' degree-7 polynomial, 2^n by
+/// the exponent bits. Below -87.3 (where e^x is under 2^-126) it returns 0.
 TRIATTN_HOST_DEVICE float window_exp(float x) {
   const float clamped = x < -87.3f ? -87.3f : x;
   const float shifter = 12582912.0f;  // 1.5 x 2^23: adding it rounds to an integer, in any rounding code
