@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -167,6 +168,36 @@ TEST_CASE("keys of the wrong dtype, rank or geometry name the keys file", "[cli]
   check_mismatch("keys_layers.npy", {layers + 1, kv_heads, tokens, head_dim});
   check_mismatch("keys_heads.npy", {layers, kv_heads * 2, tokens, head_dim});
   check_mismatch("keys_head_dim.npy", {layers, kv_heads, tokens, head_dim + 2});
+}
+
+TEST_CASE("shapes past what memory can address name the file, before anything is allocated", "[cli][errors]") {
+  // Issue 15, item 12: a header may declare more elements than a std::vector can hold
+  // (max_size() is 2^61 floats) or more bytes than an int64 counts, over a file of a few
+  // bytes. Each is refused from the header and the file's size, with the file named.
+  const fixture f;
+  const auto header_only = [&](const std::string& name, const std::string& descr, const std::string& shape) {
+    std::string dict = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': (" + shape + "), }";
+    dict.append(63 - (10 + dict.size()) % 64, ' ');
+    dict.push_back('\n');
+    const std::string k = (f.dir / name).string();
+    std::ofstream out(k, std::ios::binary);
+    const char magic[] = {'\x93', 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<char>(dict.size() & 0xff),
+                          static_cast<char>(dict.size() >> 8)};
+    out.write(magic, sizeof(magic));
+    out << dict << std::string(64, '\x01');  // a few bytes of data
+    return k;
+  };
+  const std::string beyond = std::to_string(std::numeric_limits<std::int64_t>::max() / 8 + 1);  // 2^60
+  for (const auto& [name, descr, shape, problem] : std::vector<std::array<std::string, 4>>{
+           {"max_size_f32.npy", "<f4", "2, 2, 576460752303423488, 8, ", "overflows"},  // 2^63 floats' bytes
+           {"max_size_f16.npy", "<f2", "1, 1, 288230376151711744, 9, ", "truncated"},  // 9 x 2^58 > max_size()
+           {"int64_product.npy", "<f4", beyond + ", " + beyond + ", 16, 16, ", "overflows"},  // the product wraps
+       }) {
+    const std::string k = header_only(name, descr, shape);
+    INFO(name);
+    f.expect_refused(f.score_args(k), {k, problem});
+    f.expect_refused(f.select_args(k), {k, problem});
+  }
 }
 
 TEST_CASE("missing and malformed input files are named", "[cli][errors]") {
