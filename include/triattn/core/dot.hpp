@@ -38,8 +38,8 @@ TRIATTN_NAMESPACE_BEGIN
 /// double and its error recovered exactly (TwoSum); rounding that double to odd (an inexact
 /// result with an even last bit moves one ulp toward the exact sum) keeps the information the
 /// final rounding needs, so rounding it to float rounds the exact a b + c correctly, double
-/// rounding included (Boldo & Melquiond 2008: 53 >= 24 + 2 bits). No product here can be
-/// contracted: the targets that call this have no FMA instruction to contract into.
+/// rounding included (Boldo & Melquiond 2008: 53 >= 24 + 2 bits). A compiler that fuses the
+/// product into the sum changes nothing: the product is exact in double.
 inline float fused_multiply_add_emulated(float a, float b, float c) {
   const double p = static_cast<double>(a) * static_cast<double>(b);  // exact
   const double cd = static_cast<double>(c);
