@@ -44,7 +44,11 @@ extern "C" int fsync(int fd) {
 
 extern "C" int rename(const char* from, const char* to) {
   calls.push_back(std::string("rename ") + from + " " + to);
+#if defined(SYS_renameat)
   return static_cast<int>(::syscall(SYS_renameat, AT_FDCWD, from, AT_FDCWD, to));
+#else  // AArch64 has only renameat2
+  return static_cast<int>(::syscall(SYS_renameat2, AT_FDCWD, from, AT_FDCWD, to, 0));
+#endif
 }
 
 namespace {
