@@ -13,11 +13,11 @@
 #include <cerrno>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "support/process.hpp"
 #include "test_helpers.hpp"
 #include "triattn/io/npy.hpp"
 #include "triattn/io/safetensors.hpp"
@@ -55,11 +55,6 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace io = triattn::io;
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 /// Writes `out` once through write_npy or write_safetensors.
 void write_once(const fs::path& out, bool npy, float value) {
@@ -100,13 +95,13 @@ TEST_CASE("a failed fsync fails the write, names the file and keeps the old outp
     const triattn_test::scratch_dir dir;
     const fs::path out = dir.path() / (npy ? "scores.npy" : "stats.safetensors");
     write_once(out, npy, 1.5f);
-    const std::string before = slurp(out);
+    const std::string before = triattn_test::read_text(out);
     calls.clear();
     fail_fsync = true;
     triattn_test::require_error([&] { write_once(out, npy, -4.0f); }, {out.string(), "cannot write", "Input/output error"});
     fail_fsync = false;
     CHECK(calls.size() == 1);  // no rename after the failed flush
-    CHECK(slurp(out) == before);
+    CHECK(triattn_test::read_text(out) == before);
     CHECK(dir.files() == std::vector<std::string>{out.filename().string()});  // the temporary file is gone
   }
 }

@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "support/npy_bytes.hpp"
 #include "support/random.hpp"
 #include "test_helpers.hpp"
 #include "triattn/io/npy.hpp"
@@ -156,17 +157,12 @@ void check_safetensors(bytes_t b) {
   }
 }
 
-/// A hand-made .npy file with header `dict` in format version `major`.
+/// A hand-made .npy file with header `dict` in format version `major` and `data_bytes` bytes
+/// of a fixed non-zero pattern.
 bytes_t npy_by_hand(int major, std::string_view dict, std::size_t data_bytes) {
-  bytes_t out = bytes_of(std::string_view("\x93NUMPY", 6));
-  out.push_back(static_cast<std::byte>(major));
-  out.push_back(std::byte{0});
-  for (std::size_t i = 0; i < (major == 1 ? 2u : 4u); ++i)
-    out.push_back(static_cast<std::byte>((dict.size() >> (8 * i)) & 0xff));
-  const bytes_t d = bytes_of(dict);
-  out.insert(out.end(), d.begin(), d.end());
-  for (std::size_t i = 0; i < data_bytes; ++i) out.push_back(static_cast<std::byte>(i * 37));
-  return out;
+  bytes_t data(data_bytes);
+  for (std::size_t i = 0; i < data_bytes; ++i) data[i] = static_cast<std::byte>(i * 37);
+  return triattn_test::npy_file(major, dict, data);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/npy_bytes.hpp"
 #include "support/random.hpp"
 #include "test_helpers.hpp"
 #include "triattn/core/dtype.hpp"
@@ -27,22 +28,10 @@ namespace io = triattn::io;
 using io::element_kind;
 using shape_t = std::vector<std::int64_t>;
 using triattn_test::bytes_of;
+using triattn_test::npy_file;
 using triattn_test::require_error;
 
 const char* const parse_api = "triattn::io::parse_npy: K.npy: ";
-
-/// A .npy file built by hand: magic, version major.0, the header length (u16 for 1.0, u32
-/// otherwise) and the header exactly as given, then `data`.
-std::vector<std::byte> npy_file(int major, std::string_view header, std::vector<std::byte> data = {}) {
-  std::vector<std::byte> out = bytes_of(std::string_view("\x93NUMPY", 6));
-  out.push_back(static_cast<std::byte>(major));
-  out.push_back(std::byte{0});
-  const std::size_t len_bytes = major == 1 ? 2 : 4;
-  for (std::size_t i = 0; i < len_bytes; ++i) out.push_back(static_cast<std::byte>((header.size() >> (8 * i)) & 0xff));
-  for (const char c : header) out.push_back(static_cast<std::byte>(c));
-  out.insert(out.end(), data.begin(), data.end());
-  return out;
-}
 
 std::vector<std::byte> zeros(std::size_t n) { return std::vector<std::byte>(n); }
 

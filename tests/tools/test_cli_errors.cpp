@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cli.hpp"
+#include "support/npy_bytes.hpp"
 #include "support/random.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/io/npy.hpp"
@@ -180,11 +181,8 @@ TEST_CASE("shapes past what memory can address name the file, before anything is
     dict.append(63 - (10 + dict.size()) % 64, ' ');
     dict.push_back('\n');
     const std::string k = (f.dir / name).string();
-    std::ofstream out(k, std::ios::binary);
-    const char magic[] = {'\x93', 'N', 'U', 'M', 'P', 'Y', 1, 0, static_cast<char>(dict.size() & 0xff),
-                          static_cast<char>(dict.size() >> 8)};
-    out.write(magic, sizeof(magic));
-    out << dict << std::string(64, '\x01');  // a few bytes of data
+    const std::vector<std::byte> data(64, std::byte{1});  // a few bytes of data
+    triattn_test::write_bytes(k, triattn_test::npy_file(1, dict, data));
     return k;
   };
   const std::string beyond = std::to_string(std::numeric_limits<std::int64_t>::max() / 8 + 1);  // 2^60
