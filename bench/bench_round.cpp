@@ -22,8 +22,10 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "triattn/registry.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
@@ -104,18 +106,22 @@ triattn::query_stats make_stats() {
   return s;
 }
 
-/// The policies, set up as an engine would have them at this point of a generation.
-enum class which { streaming_llm, h2o, vatp, triattention, snapkv };
-const char* const names[] = {"streaming_llm", "h2o", "vatp", "triattention", "snapkv"};
-
+/// Policy `name` of the registry (its default configuration), fed as an engine would have fed
+/// it at this point of a generation: 4 rows of attention per q-head for a policy that reads
+/// attention, its window of 8 queries for one that reads queries.
 template <class F>
-void with_policy(which w, F&& f) {
+void with_policy(std::string_view name, F&& f) {
   cache& c = kv();
   std::mt19937_64 g(11);
   std::uniform_real_distribution<float> u(0.0f, 1.0f);
   std::normal_distribution<float> n;
-  const auto observe_attention = [&](auto& p) {  // 4 rows of attention per q-head
-    p.attach(c.view);
+  const triattn::policy_entry& entry = *triattn::find_policy(name);
+  const triattn::query_stats stats = make_stats();
+  triattn::policy_inputs in;
+  in.stats = &stats;
+  triattn::any_policy p = *entry.create(in);
+  p.attach(c.view);
+  if (entry.needs.attention) {
     std::vector<float> probs(tokens);
     for (int row = 0; row < 4; ++row)
       for (int l = 0; l < layers; ++l)
@@ -125,44 +131,17 @@ void with_policy(which w, F&& f) {
           for (float& x : probs) x /= sum;
           p.observe(l, q, static_cast<std::int32_t>(tokens) + row, {}, probs);
         }
-  };
-  switch (w) {
-    case which::streaming_llm: {
-      triattn::streaming_llm p;
-      f(p);
-      break;
-    }
-    case which::h2o: {
-      triattn::h2o p;
-      observe_attention(p);
-      f(p);
-      break;
-    }
-    case which::vatp: {
-      triattn::vatp p;
-      observe_attention(p);
-      f(p);
-      break;
-    }
-    case which::triattention: {
-      triattn::triattention p(make_stats());
-      f(p);
-      break;
-    }
-    case which::snapkv: {
-      triattn::snapkv p(triattn::snapkv_config::decode());  // window 8
-      p.attach(c.view);
-      std::vector<float> q(head_dim);
-      for (int row = 0; row < 8; ++row)
-        for (int l = 0; l < layers; ++l)
-          for (int h = 0; h < q_heads; ++h) {
-            for (float& x : q) x = n(g);
-            p.observe(l, h, static_cast<std::int32_t>(tokens - 8 + row), q);
-          }
-      f(p);
-      break;
-    }
   }
+  if (entry.needs.queries) {
+    std::vector<float> q(head_dim);
+    for (int row = 0; row < 8; ++row)
+      for (int l = 0; l < layers; ++l)
+        for (int h = 0; h < q_heads; ++h) {
+          for (float& x : q) x = n(g);
+          p.observe(l, h, static_cast<std::int32_t>(tokens - 8 + row), q, {});
+        }
+  }
+  f(p);
 }
 
 triattn::round_context context(int threads) {
@@ -219,9 +198,9 @@ void memcpy_rows(benchmark::State& state) {
   cache& c = kv();
   const auto threads = static_cast<int>(state.range(0));
   std::vector<std::uint16_t> to(std::size_t{layers} * kv_heads * budget * head_dim * 2);
-  with_policy(which::triattention, [&](auto& p) {
+  with_policy(triattn::triattention::name, [&](triattn::any_policy& p) {
     c.restore();
-    const triattn::keep_plan kept = triattn::plan_round(p, c.view, budget, context(1));
+    const triattn::keep_plan kept = p.plan(c.view, budget, context(1));
     const std::size_t row_block = std::size_t{budget} * head_dim;
     for (auto _ : state) {
       triattn::threads(threads)(2 * layers * kv_heads, [&](std::int64_t i, int) {
@@ -240,25 +219,25 @@ void memcpy_rows(benchmark::State& state) {
   set_bytes(state);
 }
 
-void plan(benchmark::State& state, which w) {
+void plan(benchmark::State& state, std::string_view name) {
   cache& c = kv();
   const auto threads = static_cast<int>(state.range(0));
-  with_policy(w, [&](auto& p) {
+  with_policy(name, [&](triattn::any_policy& p) {
     c.restore();
-    const auto serial = triattn::plan_round(p, c.view, budget, context(1));
-    const auto parallel = triattn::plan_round(p, c.view, budget, context(2));
+    const auto serial = p.plan(c.view, budget, context(1));
+    const auto parallel = p.plan(c.view, budget, context(2));
     state.counters["same_keep_sets"] = serial.indices == parallel.indices && serial.offsets == parallel.offsets;
-    for (auto _ : state) benchmark::DoNotOptimize(triattn::plan_round(p, c.view, budget, context(threads)));
+    for (auto _ : state) benchmark::DoNotOptimize(p.plan(c.view, budget, context(threads)));
   });
   set_bytes(state);
 }
 
-void compact(benchmark::State& state, which w) {
+void compact(benchmark::State& state, std::string_view name) {
   cache& c = kv();
   const auto threads = static_cast<int>(state.range(0));
-  with_policy(w, [&](auto& p) {
+  with_policy(name, [&](triattn::any_policy& p) {
     c.restore();
-    const auto kept = triattn::plan_round(p, c.view, budget, context(1));
+    const auto kept = p.plan(c.view, budget, context(1));
     for (auto _ : state) {
       state.PauseTiming();
       c.restore();
@@ -272,10 +251,10 @@ void compact(benchmark::State& state, which w) {
   set_bytes(state);
 }
 
-void round(benchmark::State& state, which w) {
+void round(benchmark::State& state, std::string_view name) {
   cache& c = kv();
   const auto threads = static_cast<int>(state.range(0));
-  with_policy(w, [&](auto& p) {
+  with_policy(name, [&](triattn::any_policy& p) {
     for (auto _ : state) {
       state.PauseTiming();
       c.restore();
@@ -307,11 +286,14 @@ int register_all() {
   BENCHMARK(read_kv)->Apply(threads_arg);
   BENCHMARK(memcpy_kept)->Apply(threads_arg);
   BENCHMARK(memcpy_rows)->Apply(threads_arg);
-  for (int w = 0; w < 5; ++w) {
-    const auto p = static_cast<which>(w);
-    benchmark::RegisterBenchmark((std::string("plan/") + names[w]).c_str(), plan, p)->Apply(threads_arg);
-    benchmark::RegisterBenchmark((std::string("compact/") + names[w]).c_str(), compact, p)->Apply(threads_arg);
-    benchmark::RegisterBenchmark((std::string("round/") + names[w]).c_str(), round, p)->Apply(threads_arg);
+  // Every compressing policy of the registry but R-KV, whose pairwise key similarities over an
+  // 8K-token cache take minutes a round.
+  for (const triattn::policy_entry& e : triattn::policy_registry) {
+    if (!e.compresses() || e.name == triattn::rkv::name) continue;
+    const std::string name(e.name);
+    benchmark::RegisterBenchmark(("plan/" + name).c_str(), plan, e.name)->Apply(threads_arg);
+    benchmark::RegisterBenchmark(("compact/" + name).c_str(), compact, e.name)->Apply(threads_arg);
+    benchmark::RegisterBenchmark(("round/" + name).c_str(), round, e.name)->Apply(threads_arg);
   }
   BENCHMARK(select)->Unit(benchmark::kMillisecond)->UseRealTime();
   return 0;

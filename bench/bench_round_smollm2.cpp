@@ -1,6 +1,6 @@
 // What a TriAttention round costs beside the decoding it serves, on SmolLM2-135M-Instruct's
 // own cache (30 layers x 3 kv-heads x 3 q-heads per group x 64 dims, f32, NHD, post-RoPE) in
-// the examples' runner (examples/llama2c), one thread (issue 14).
+// the runner (runner/), one thread (issue 14).
 //
 // The runner decodes greedily from BOS; whenever the cache reaches budget + slack tokens, one
 // round (`compress`, per-KV-head decisions, the paper's defaults; statistics drawn at random
@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
+#include "runner/runner.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
@@ -34,7 +34,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-triattn::query_stats random_stats(const llama2c::config& c, const triattn::kv_geometry& g) {
+triattn::query_stats random_stats(const triattn_runner::config& c, const triattn::kv_geometry& g) {
   std::mt19937_64 rng(5);
   std::normal_distribution<float> n;
   triattn::query_stats s;
@@ -65,16 +65,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   ggml_bridge::init_backend();
-  const llama2c::model model = gguf_model::load(path);
-  const llama2c::config& c = model.config();
-  llama2c::session s(model, budget + slack, triattn::dtype::f32);
+  const triattn_runner::model model = gguf_model::load(path);
+  const triattn_runner::config& c = model.config();
+  triattn_runner::session s(model, budget + slack, triattn::dtype::f32);
   triattn::triattention policy(random_stats(c, s.view().geometry()));
 
   std::vector<double> steps, round_times;
   int token = 1;  // BOS
   while (static_cast<int>(round_times.size()) < rounds) {
     const auto t0 = clock_type::now();
-    token = llama2c::argmax(s.forward(token));
+    token = triattn_runner::argmax(s.forward(token));
     if (s.position() > budget + slack) steps.push_back(seconds_since(t0));  // after the first round: a full cache
     if (triattn::max_length(s.view()) == budget + slack) {
       triattn::round_context ctx;

@@ -1,4 +1,4 @@
-// Decode throughput of the examples' runner (examples/llama2c/llama2c.hpp) beside llama.cpp's
+// Decode throughput of the runner (runner/) beside llama.cpp's
 // own decode, in one run, on the same GGUF model (SmolLM2-135M-Instruct by default).
 //
 // What is measured: every sequence first runs the same 32-token prompt (not timed), then
@@ -28,9 +28,9 @@
 
 #include <llama.h>
 
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
+#include "runner/runner.hpp"
 
 namespace {
 
@@ -58,28 +58,28 @@ std::vector<int> make_prompt(const llama_vocab* vocab) {
 
 // --- the runner ---------------------------------------------------------------------------
 
-double runner_tokens_per_s(const llama2c::model& m, const std::vector<int>& prompt, int batch, int steps,
+double runner_tokens_per_s(const triattn_runner::model& m, const std::vector<int>& prompt, int batch, int steps,
                            triattn::dtype cache, int threads) {
-  std::vector<llama2c::session> sessions;
+  std::vector<triattn_runner::session> sessions;
   for (int s = 0; s < batch; ++s) sessions.emplace_back(m, prompt_tokens + steps, cache);
-  std::vector<llama2c::session*> ptrs;
+  std::vector<triattn_runner::session*> ptrs;
   for (auto& s : sessions) ptrs.push_back(&s);
-  llama2c::batch_decoder decoder(m, threads);
+  triattn_runner::batch_decoder decoder(m, threads);
   std::vector<int> tokens(static_cast<std::size_t>(batch));
 
   for (const int t : prompt) {  // prefill, not timed
     std::fill(tokens.begin(), tokens.end(), t);
     decoder.step(ptrs, tokens);
   }
-  for (int s = 0; s < batch; ++s) tokens[static_cast<std::size_t>(s)] = llama2c::argmax(decoder.logits(s));
+  for (int s = 0; s < batch; ++s) tokens[static_cast<std::size_t>(s)] = triattn_runner::argmax(decoder.logits(s));
 
   const auto t0 = clock_type::now();
   for (int k = 0; k < steps; ++k) {
     if (batch == 1) {
-      tokens[0] = llama2c::argmax(sessions[0].forward(tokens[0]));
+      tokens[0] = triattn_runner::argmax(sessions[0].forward(tokens[0]));
     } else {
       decoder.step(ptrs, tokens);
-      for (int s = 0; s < batch; ++s) tokens[static_cast<std::size_t>(s)] = llama2c::argmax(decoder.logits(s));
+      for (int s = 0; s < batch; ++s) tokens[static_cast<std::size_t>(s)] = triattn_runner::argmax(decoder.logits(s));
     }
   }
   return batch * steps / seconds_since(t0);
@@ -165,9 +165,9 @@ int main(int argc, char** argv) {
   const std::unique_ptr<llama_model, decltype(&llama_model_free)> lmodel(
       llama_model_load_from_file(path.c_str(), mparams), &llama_model_free);
   TRIATTN_CHECK(lmodel != nullptr, "main", path, ": llama_model_load_from_file failed");
-  const llama2c::model model = gguf_model::load(path);
+  const triattn_runner::model model = gguf_model::load(path);
   const std::vector<int> prompt = make_prompt(llama_model_get_vocab(lmodel.get()));
-  const llama2c::config& c = model.config();
+  const triattn_runner::config& c = model.config();
   std::printf("model %s\n  %d layers, dim %d, hidden %d, %d heads / %d kv heads, vocab %d; runner weights f32 (%.0f MB)\n",
               path.c_str(), c.n_layers, c.dim, c.hidden_dim, c.n_heads, c.n_kv_heads, c.vocab_size,
               static_cast<double>(llama_model_n_params(lmodel.get())) * 4 / 1e6);

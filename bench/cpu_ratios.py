@@ -41,7 +41,8 @@ def main():
           "| compact / memcpy of the kept rows | compact / memcpy of as many bytes | round 1 thread / 2 threads "
           "| same keep sets at 1 and 2 threads |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for p in ["streaming_llm", "h2o", "vatp", "triattention", "snapkv"]:
+    policies = list(dict.fromkeys(k.split("/")[1] for k in r if k.startswith("round/")))  # the bench's order
+    for p in policies:
         for th in (1, 2):
             key = f"{p}/threads:{th}"
             if f"round/{key}" not in r:

@@ -136,32 +136,6 @@ inline mean_se mean_and_se(std::span<const double> x) {
   return {m, std::sqrt(sq / static_cast<double>(x.size() - 1) / static_cast<double>(x.size()))};
 }
 
-/// Runs `task(i)` for i in [0, count) on `threads` threads (each task on one thread); the
-/// first exception stops the rest and is rethrown.
-inline void parallel_tasks(std::size_t count, int threads, const std::function<void(std::size_t)>& task) {
-  std::atomic<std::size_t> next{0};
-  std::mutex error_mutex;
-  std::exception_ptr error;
-  const auto worker = [&] {
-    for (;;) {
-      const std::size_t t = next.fetch_add(1);
-      if (t >= count) return;
-      try {
-        task(t);
-      } catch (...) {
-        const std::lock_guard lock(error_mutex);
-        if (!error) error = std::current_exception();
-        next = count;
-      }
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int i = 1; i < threads && static_cast<std::size_t>(i) < count; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-  if (error) std::rethrow_exception(error);
-}
-
 /// A progress bar on stderr shared by the threads of a command.
 class progress_bar {
  public:

@@ -1,5 +1,5 @@
 /// \file eval/eval_policies.hpp
-/// \brief The rows triattn_eval knows: the roster's policies (llama2c::policy_registry), the
+/// \brief The rows triattn_eval knows: the registry's policies (triattn::policy_registry), the
 /// references `random` and `window`, and variants of TriAttention, among them the
 /// parametrised rows (`parametric_policy`), the extensions beyond the paper among them.
 #pragma once
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "eval_common.hpp"
-#include "llama2c/policies.hpp"
+#include "random_eviction.hpp"
 #include "triattn/triattn.hpp"
 
 namespace triattn_eval {
@@ -29,8 +29,8 @@ class recent_window : public triattn::policy_base<recent_window> {
   explicit recent_window(triattn::schedule sched) { round_.sched = sched; }
   const triattn::round_options& round() const { return round_; }
 
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep, const triattn::round_context& = {}) {
-    return llama2c::plan_each_row(view, keep, [](std::int32_t n, std::int32_t k, std::vector<std::int32_t>& slots) {
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget, const triattn::round_context& = {}) {
+    return triattn_eval::plan_each_row(view, budget, [](std::int32_t n, std::int32_t k, std::vector<std::int32_t>& slots) {
       slots.clear();
       for (std::int32_t s = n - k; s < n; ++s) slots.push_back(s);
     });
@@ -42,7 +42,7 @@ class recent_window : public triattn::policy_base<recent_window> {
 
 /// A fresh policy for one sequence on the evaluation's schedule; std::nullopt for `full`.
 /// `seed` is per sequence.
-using policy_factory = std::function<std::optional<llama2c::any_policy>(const triattn::query_stats*, std::uint64_t seed,
+using policy_factory = std::function<std::optional<triattn::any_policy>(const triattn::query_stats*, std::uint64_t seed,
                                                                         const triattn::schedule& sched)>;
 
 struct eval_policy {
@@ -52,11 +52,14 @@ struct eval_policy {
   policy_factory make;
 };
 
-/// A roster policy, as the roster builds it, on the evaluation's schedule.
-inline eval_policy from_registry(const llama2c::policy_entry& e) {
-  return {std::string(e.name), std::string(e.summary), e.needs_stats,
+/// A registry policy, as the registry builds it, on the evaluation's schedule.
+inline eval_policy from_registry(const triattn::policy_entry& e) {
+  return {std::string(e.name), std::string(e.summary), e.needs.stats,
           [&e](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
-            return e.create(llama2c::policy_inputs{s, sched});
+            triattn::policy_inputs in;
+            in.stats = s;
+            in.sched = sched;
+            return e.create(in);
           }};
 }
 
@@ -66,7 +69,7 @@ inline eval_policy tri(std::string name, std::string summary, triattn::triattent
           [c](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
             triattn::triattention_config with = c;
             with.round.sched = sched;
-            return std::optional(llama2c::any_policy(triattn::triattention(*s, with)));
+            return std::optional(triattn::any_policy(triattn::triattention(*s, with)));
           }};
 }
 
@@ -81,17 +84,17 @@ inline triattn::triattention_config tri_config(triattn::granularity g, std::int6
 inline std::vector<eval_policy> all_policies() {
   using G = triattn::granularity;
   std::vector<eval_policy> p;
-  const llama2c::policy_entry* full = llama2c::find_policy(llama2c::full_name);
+  const triattn::policy_entry* full = triattn::find_policy(triattn::full_name);
   p.push_back(from_registry(*full));
-  p.push_back({std::string(llama2c::random_eviction::name), "uniformly random keep sets (the floor)", false,
+  p.push_back({std::string(triattn_eval::random_eviction::name), "uniformly random keep sets (the floor)", false,
                [](const triattn::query_stats*, std::uint64_t seed, const triattn::schedule& sched) {
-                 return std::optional(llama2c::any_policy(llama2c::random_eviction(seed, sched)));
+                 return std::optional(triattn::any_policy(triattn_eval::random_eviction(seed, sched)));
                }});
   p.push_back({std::string(recent_window::name), "the last B tokens (plain recency)", false,
                [](const triattn::query_stats*, std::uint64_t, const triattn::schedule& sched) {
-                 return std::optional(llama2c::any_policy(recent_window(sched)));
+                 return std::optional(triattn::any_policy(recent_window(sched)));
                }});
-  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+  for (const triattn::policy_entry& e : triattn::policy_registry)
     if (e.compresses()) p.push_back(from_registry(e));
   const std::string tn(triattn::triattention::name);
   p.push_back(tri(tn + "_o128", "triattention, offsets to 128", tri_config(G::per_kv_head, 128)));

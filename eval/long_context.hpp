@@ -43,57 +43,25 @@
 
 #include "eval_common.hpp"
 #include "eval_policies.hpp"
-#include "llama2c/calibration.hpp"
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
-#include "llama2c/text_model.hpp"
+#include "runner/calibration.hpp"
+#include "runner/compressed_session.hpp"
+#include "runner/runner.hpp"
+#include "runner/text_model.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/triattn.hpp"
 
 namespace triattn_eval {
 
-/// One compressed sequence of a batch: its session and its policy, fed with the session's
-/// attention. Pinned in memory (the session points at the feed, the feed at the policy).
-struct compressed_sequence {
-  llama2c::session session;
-  llama2c::any_policy policy;
-  llama2c::policy_observer feed;
-  std::int64_t budget;
-  std::int64_t peak = 0;  ///< K+V bytes, the largest the cache held
-  bool compressed = false;
-
-  compressed_sequence(const llama2c::model& m, std::int64_t capacity, llama2c::any_policy p, std::int64_t b)
-      : session(m, capacity), policy(std::move(p)), feed(policy), budget(b) {
-    policy.attach(session.view());
-    session.set_observer(&feed);
-  }
-  compressed_sequence(const compressed_sequence&) = delete;
-  compressed_sequence& operator=(const compressed_sequence&) = delete;
+/// One compressed sequence of a batch, which rides a full-cache trunk until it branches off.
+struct compressed_sequence : triattn_runner::compressed_session {
+  using compressed_session::compressed_session;
 
   /// Takes over the trunk's cache where this row parts from it (see `trunk_observer`).
-  void branch_from(const llama2c::session& trunk) {
-    session.copy_from(trunk);
+  void branch_from(const triattn_runner::session& trunk) {
+    cache().copy_from(trunk);
     branched = true;
   }
   bool branched = false;  ///< decoded on its own (else it still rides the trunk)
-
-  /// A round when the policy's schedule says so; `prompt_length` tokens are the prompt.
-  void maybe_compress(std::int64_t prompt_length) {
-    peak = std::max(peak, session.kv_bytes());
-    compressed |= triattn::maybe_compress(policy, session.view(), budget,
-                                          triattn::round_context{session.position(), prompt_length});
-  }
-  /// A round now, cutting to the budget, when the cache holds more.
-  void compress_to_budget() {
-    peak = std::max(peak, session.kv_bytes());
-    bool over = false;
-    const triattn::dense_kv_view v = session.view();
-    for (int l = 0; l < v.geometry().num_layers; ++l)
-      for (int h = 0; h < v.geometry().num_kv_heads; ++h) over |= v.length(l, h) > budget;
-    if (!over) return;
-    triattn::compress(policy, v, budget, triattn::round_context{session.position(), 0});
-    compressed = true;
-  }
 };
 
 /// The full-cache trunk that compressed rows ride until their first round. Until then a row
@@ -101,17 +69,17 @@ struct compressed_sequence {
 /// bits), so it is not decoded at all: its policy is fed the full cache's attention, and at its
 /// first round it takes a copy of the full cache (`compressed_sequence::branch_from`). A row
 /// that first compresses at budget B saves the B + slack steps before it.
-class trunk_observer final : public llama2c::observer {
+class trunk_observer final : public triattn_runner::observer {
  public:
   void ride(compressed_sequence& s) { riders_.push_back(&s); }
   /// Branches `s` off `trunk` and stops feeding it.
-  void branch(compressed_sequence& s, const llama2c::session& trunk) {
+  void branch(compressed_sequence& s, const triattn_runner::session& trunk) {
     s.branch_from(trunk);
     riders_.erase(std::find(riders_.begin(), riders_.end(), &s));
   }
   void on_attention(int layer, int q_head, std::int32_t position, std::span<const float> q_post_rope,
                     std::span<const float> probs) override {
-    for (compressed_sequence* s : riders_) s->feed.on_attention(layer, q_head, position, q_post_rope, probs);
+    for (compressed_sequence* s : riders_) s->feed().on_attention(layer, q_head, position, q_post_rope, probs);
   }
 
  private:
@@ -137,7 +105,7 @@ struct policy_set {
   policy_set(const std::string& list, const std::optional<std::string>& stats_path) {
     bool need_stats = false;
     for (const std::string& name : split(list)) {
-      if (name == llama2c::full_name) {
+      if (name == triattn::full_name) {
         has_full = true;
         continue;
       }
@@ -154,7 +122,7 @@ struct policy_set {
 
 /// A seed per (row, sequence) for the policies that draw (random): independent of threads.
 inline std::uint64_t row_seed(std::size_t row, std::size_t sequence) {
-  std::mt19937_64 g = llama2c::window_rng(0x7269616e ^ row, sequence);
+  std::mt19937_64 g = triattn_runner::window_rng(0x7269616e ^ row, sequence);
   return g();
 }
 
@@ -167,8 +135,8 @@ struct long_options {
   std::string policies, budgets = "128,256,512";
   std::int64_t tokens = 2048, slack = 64;
   double temperature = 0.7;
-  float repeat_penalty = llama2c::answer_sampler::default_penalty;
-  int repeat_window = llama2c::answer_sampler::default_window;
+  float repeat_penalty = triattn_runner::answer_sampler::default_penalty;
+  int repeat_window = triattn_runner::answer_sampler::default_window;
   std::uint64_t seed = 1;
   int threads = 0;
 };
@@ -193,12 +161,12 @@ struct long_prompt_result {
 /// cache, all in one batch on `decoder`'s threads. The numbers do not depend on the batch or
 /// the thread count: every sequence's logits are the same bits in any batch, and each row's
 /// sums are added in step order by one thread.
-inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_model& tm,
+inline std::vector<long_prompt_result> run_long_prompts(const triattn_runner::text_model& tm,
                                                         const std::vector<std::string>& prompt_texts,
                                                         const long_options& o, const policy_set& ps,
                                                         const std::vector<std::int64_t>& budgets,
-                                                        llama2c::batch_decoder& decoder, progress_bar& bar) {
-  const llama2c::model& m = tm.model();
+                                                        triattn_runner::batch_decoder& decoder, progress_bar& bar) {
+  const triattn_runner::model& m = tm.model();
   const std::int64_t T = o.tokens;
   const std::size_t B = budgets.size(), rows = ps.policies.size() * B, N = prompt_texts.size();
   const auto V = static_cast<std::size_t>(m.config().vocab_size);
@@ -207,28 +175,28 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
 
   struct prompt_state {
     std::vector<int> prompt;
-    llama2c::session full;
+    triattn_runner::session full;
     trunk_observer trunk;
     std::deque<compressed_sequence> seqs;  // row j
     std::vector<std::int64_t> first_round;  // [budget]: the step of the rows' first round
     std::mt19937_64 rng;
-    llama2c::answer_sampler sampler;
+    triattn_runner::answer_sampler sampler;
     long_prompt_result r;
     int next;
-    prompt_state(const llama2c::model& m, std::vector<int> p, std::int64_t T, std::mt19937_64 g, llama2c::answer_sampler s)
+    prompt_state(const triattn_runner::model& m, std::vector<int> p, std::int64_t T, std::mt19937_64 g, triattn_runner::answer_sampler s)
         : prompt(std::move(p)), full(m, static_cast<std::int64_t>(prompt.size()) + T), rng(g), sampler(std::move(s)),
           next(prompt[0]) {}
     std::int64_t length() const { return static_cast<std::int64_t>(prompt.size()); }
   };
   std::deque<prompt_state> st;
   for (std::size_t i = 0; i < N; ++i) {
-    prompt_state& x = st.emplace_back(m, tm.chat(prompt_texts[i]), T, llama2c::window_rng(o.seed, i),
-                                      llama2c::answer_sampler(o.temperature, o.repeat_penalty, o.repeat_window, allowed));
+    prompt_state& x = st.emplace_back(m, tm.chat(prompt_texts[i]), T, triattn_runner::window_rng(o.seed, i),
+                                      triattn_runner::answer_sampler(o.temperature, o.repeat_penalty, o.repeat_window, allowed));
     const std::int64_t P = x.length();
     x.full.set_observer(&x.trunk);
     for (std::size_t j = 0; j < rows; ++j) {
       const std::size_t p = j / B, b = j % B;
-      std::optional<llama2c::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, i), sched);
+      std::optional<triattn::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, i), sched);
       x.trunk.ride(x.seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]));
     }
     // Every row of a budget first compresses on the same step (the shared slack trigger on a
@@ -250,7 +218,7 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
   std::int64_t steps = 0;
   for (const prompt_state& x : st) steps = std::max(steps, x.length() + T - 1);
 
-  std::vector<llama2c::session*> batch;
+  std::vector<triattn_runner::session*> batch;
   std::vector<std::pair<std::size_t, std::size_t>> scored;  // (prompt, row) of batch entry k, rows only
   std::vector<std::size_t> entry;                            // batch entry of prompt i's full cache
   std::vector<int> tokens;
@@ -271,12 +239,12 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
       batch.push_back(&x.full);
       tokens.push_back(x.next);
       for (std::size_t j = 0; j < rows; ++j) {
-        TRIATTN_CHECK(x.seqs[j].compressed == (t > x.first_round[j % B]), "triattn_eval long", "row ", j,
+        TRIATTN_CHECK(x.seqs[j].compressed() == (t > x.first_round[j % B]), "triattn_eval long", "row ", j,
                       " first compressed at another step than its budget's trigger");
         if (x.seqs[j].branched) {
           row_entry.push_back(batch.size());
           scored.emplace_back(i, j);
-          batch.push_back(&x.seqs[j].session);
+          batch.push_back(&x.seqs[j].cache());
           tokens.push_back(x.next);
         }
       }
@@ -293,7 +261,7 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
       }
       answering[i] = 1;
       const std::span<const float> ref = decoder.logits(static_cast<int>(entry[i]));
-      uniform[i] = llama2c::uniform_draw(x.rng);
+      uniform[i] = triattn_runner::uniform_draw(x.rng);
       drawn[i] = x.sampler.draw(ref, uniform[i]);
       x.r.answer.push_back(drawn[i]);
       const double lse = log_sum_exp(ref);
@@ -301,7 +269,7 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
         logp[i][v] = ref[v] - lse;
         prob[i][v] = std::exp(logp[i][v]);
       }
-      top[i] = llama2c::argmax(ref);
+      top[i] = triattn_runner::argmax(ref);
     }
     // The rows riding a trunk are not scored yet; every branched row is.
     decoder.team().for_each(scored.size(), [&](std::size_t k) {
@@ -313,7 +281,7 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
       for (std::size_t v = 0; v < V; ++v) kl += prob[i][v] * (logp[i][v] - (z[v] - lq));
       position_sums& sums = st[i].r.rows[j];
       sums.kl += kl;
-      sums.top1 += llama2c::argmax(z) == top[i] ? 1.0 : 0.0;
+      sums.top1 += triattn_runner::argmax(z) == top[i] ? 1.0 : 0.0;
       sums.nll += lq - z[static_cast<std::size_t>(drawn[i])];
       ++sums.n;
     });
@@ -340,7 +308,7 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
       for (std::size_t j = 0; j < rows; ++j) {
         compressed_sequence& c = x.seqs[j];
         if (!c.branched) {
-          c.peak = std::max(c.peak, x.full.kv_bytes());  // a rider holds what the trunk holds
+          c.note_bytes(x.full.kv_bytes());  // a rider holds what the trunk holds
           if (t == x.first_round[j % B]) x.trunk.branch(c, x.full);
         }
         if (c.branched) rounds.emplace_back(&c, x.length());
@@ -354,7 +322,7 @@ inline std::vector<long_prompt_result> run_long_prompts(const llama2c::text_mode
   for (prompt_state& x : st) {
     for (std::size_t j = 0; j < rows; ++j) {
       if (x.r.prefix[j] < 0) x.r.prefix[j] = T;
-      x.r.peak[j] = x.seqs[j].peak;
+      x.r.peak[j] = x.seqs[j].peak_bytes();
     }
     x.r.distinct4 = distinct_ngrams(x.r.answer, 4);
     out.push_back(std::move(x.r));
@@ -391,8 +359,8 @@ inline long_options parse_long(int argc, char** argv) {
 inline int run_long(int argc, char** argv) {
   const long_options o = parse_long(argc, argv);
   const char* api = "triattn_eval long";
-  const llama2c::text_model tm = llama2c::text_model::load(o.model, "", api);
-  const std::vector<std::string> prompts = llama2c::read_prompts(o.prompts, api);
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(o.model, "", api);
+  const std::vector<std::string> prompts = triattn_runner::read_prompts(o.prompts, api);
   const policy_set ps(o.policies, o.stats);
   std::vector<std::int64_t> budgets;
   for (const std::string& b : split(o.budgets)) budgets.push_back(parse_int("--budgets", b, 1));
@@ -407,7 +375,7 @@ inline int run_long(int argc, char** argv) {
   std::int64_t longest = 0;
   for (const std::string& p : prompts) longest = std::max(longest, static_cast<std::int64_t>(tm.chat(p).size()) + o.tokens - 1);
   progress_bar bar("triattn_eval long", longest);
-  llama2c::batch_decoder decoder(tm.model(), threads);
+  triattn_runner::batch_decoder decoder(tm.model(), threads);
   const std::vector<long_prompt_result> results = run_long_prompts(tm, prompts, o, ps, budgets, decoder, bar);
   std::fputc('\n', stderr);
 
@@ -447,7 +415,7 @@ inline int run_long(int argc, char** argv) {
       positions += r.full[b].n;
       bytes = std::max(bytes, r.full_peak);
     }
-    if (ps.has_full) emit(std::string(llama2c::full_name), budgets[b], zero, one, nll, prefix, bytes, positions);
+    if (ps.has_full) emit(std::string(triattn::full_name), budgets[b], zero, one, nll, prefix, bytes, positions);
   }
   for (std::size_t p = 0; p < ps.policies.size(); ++p)
     for (std::size_t b = 0; b < B; ++b) {
@@ -512,7 +480,7 @@ struct passkey_sample {
 /// llama.cpp's `passkey` example's text (examples/passkey/passkey.cpp): the instruction, filler
 /// sentences with the key sentence after `round(depth x fillers)` of them, as many fillers as
 /// fit `context` tokens with the question, then the question.
-inline passkey_sample make_passkey(const llama2c::text_model& tm, std::int64_t context, double depth, int trial,
+inline passkey_sample make_passkey(const triattn_runner::text_model& tm, std::int64_t context, double depth, int trial,
                                    std::uint64_t seed) {
   constexpr std::string_view prefix =
       "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. I will quiz you "
@@ -521,7 +489,7 @@ inline passkey_sample make_passkey(const llama2c::text_model& tm, std::int64_t c
       " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
   constexpr std::string_view question = " What is the pass key? The pass key is";
   passkey_sample s{context, depth, trial, 0, {}, {}};
-  std::mt19937_64 g = llama2c::window_rng(seed ^ static_cast<std::uint64_t>(context),
+  std::mt19937_64 g = triattn_runner::window_rng(seed ^ static_cast<std::uint64_t>(context),
                                           static_cast<std::size_t>(std::llround(depth * 1000)) * 1000 + trial);
   s.key = 10000 + static_cast<int>(g() % 90000);
   const std::string key = std::to_string(s.key);
@@ -565,21 +533,21 @@ struct passkey_answer {
 /// Returns the answers [sample][1 + rows], the full cache's first. A row rides its sample's
 /// full cache (`trunk_observer`) until the first round that cuts it, so a row whose budget
 /// covers the context is the full cache. `first_index` seeds the rows that draw.
-inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2c::text_model& tm,
+inline std::vector<std::vector<passkey_answer>> run_passkey_context(const triattn_runner::text_model& tm,
                                                                     std::span<const passkey_sample> samples,
                                                                     std::size_t first_index, const passkey_options& o,
                                                                     const policy_set& ps,
                                                                     const std::vector<double>& fractions,
-                                                                    llama2c::batch_decoder& decoder, progress_bar& bar) {
-  const llama2c::model& m = tm.model();
+                                                                    triattn_runner::batch_decoder& decoder, progress_bar& bar) {
+  const triattn_runner::model& m = tm.model();
   const std::size_t F = fractions.size(), rows = ps.policies.size() * F, S = samples.size();
   struct sample_state {
-    llama2c::session full;
+    triattn_runner::session full;
     trunk_observer trunk;
     std::deque<compressed_sequence> seqs;  // row j
     std::vector<std::vector<int>> answers;  // [1 + rows]
     std::size_t prompt = 0, steps = 0;      // prompt tokens; forward steps
-    sample_state(const llama2c::model& m, std::int64_t length) : full(m, length) {}
+    sample_state(const triattn_runner::model& m, std::int64_t length) : full(m, length) {}
   };
   std::deque<sample_state> st;
   for (std::size_t i = 0; i < S; ++i) {
@@ -593,7 +561,7 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2
     x.answers.resize(1 + rows);
     for (std::size_t j = 0; j < rows; ++j) {
       const std::int64_t budget = std::max<std::int64_t>(1, std::llround(fractions[j % F] * static_cast<double>(s.context)));
-      std::optional<llama2c::any_policy> pol =
+      std::optional<triattn::any_policy> pol =
           ps.policies[j / F].make(ps.stats_ptr(), row_seed(j, first_index + i), triattn::schedule::every_step());
       x.trunk.ride(x.seqs.emplace_back(
           m, std::min(length, budget + o.chunk + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
@@ -602,7 +570,7 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2
   }
   std::size_t steps = 0;
   for (const sample_state& x : st) steps = std::max(steps, x.steps);
-  std::vector<llama2c::session*> batch;
+  std::vector<triattn_runner::session*> batch;
   std::vector<std::pair<std::size_t, std::size_t>> who;  // batch entry -> (sample, 0 for full or 1 + row)
   std::vector<int> tokens;
   std::vector<compressed_sequence*> rounds;
@@ -624,7 +592,7 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2
       tokens.push_back(token(0));
       for (std::size_t j = 0; j < rows; ++j)
         if (x.seqs[j].branched) {
-          batch.push_back(&x.seqs[j].session);
+          batch.push_back(&x.seqs[j].cache());
           who.emplace_back(i, 1 + j);
           tokens.push_back(token(1 + j));
         }
@@ -634,7 +602,7 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2
       const auto [i, r] = who[k];
       sample_state& x = st[i];
       if (t + 1 < x.prompt) continue;
-      const int next = llama2c::argmax(decoder.logits(static_cast<int>(k)));
+      const int next = triattn_runner::argmax(decoder.logits(static_cast<int>(k)));
       x.answers[r].push_back(next);
       if (r == 0)  // the rows still on the trunk answer as the full cache does
         for (std::size_t j = 0; j < rows; ++j)
@@ -650,7 +618,7 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const llama2
       for (int l = 0; l < m.config().n_layers; ++l)
         for (int h = 0; h < m.config().n_kv_heads; ++h) longest = std::max(longest, x.full.length(l, h));
       for (compressed_sequence& c : x.seqs) {
-        if (!c.branched && longest > c.budget) x.trunk.branch(c, x.full);
+        if (!c.branched && longest > c.budget()) x.trunk.branch(c, x.full);
         if (c.branched) rounds.push_back(&c);
       }
     }
@@ -695,7 +663,7 @@ inline int run_passkey(int argc, char** argv) {
   for (const std::string& c : split(o.contexts)) contexts.push_back(parse_int("--contexts", c, 64));
   if (fractions.empty() || depths.empty() || contexts.empty()) throw usage_error{"passkey: empty list"};
 
-  const llama2c::text_model tm = llama2c::text_model::load(o.model, "", api);
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(o.model, "", api);
   const policy_set ps(o.policies, o.stats);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   // One batch a context length (its samples, each with the full cache and every row), the
@@ -715,7 +683,7 @@ inline int run_passkey(int argc, char** argv) {
   std::fprintf(stderr, "triattn_eval passkey: %zu samples, %zu rows x %zu fractions, chunks of %d, %d threads\n", S,
                ps.policies.size(), F, o.chunk, threads);
   progress_bar bar("triattn_eval passkey", total);
-  llama2c::batch_decoder decoder(tm.model(), threads);
+  triattn_runner::batch_decoder decoder(tm.model(), threads);
   std::vector<std::vector<passkey_answer>> results;  // [sample][1 + row]
   const std::size_t per_context = depths.size() * static_cast<std::size_t>(o.trials);
   for (std::size_t c = 0; c < contexts.size(); ++c) {
@@ -744,7 +712,7 @@ inline int run_passkey(int argc, char** argv) {
     return std::pair{p, n > 0 ? std::sqrt(p * (1 - p) / n) : NAN};
   };
   std::vector<std::string> names;
-  if (ps.has_full) names.emplace_back(llama2c::full_name);
+  if (ps.has_full) names.emplace_back(triattn::full_name);
   for (const eval_policy& p : ps.policies) names.push_back(p.name);
   for (std::size_t r = 0; r < names.size(); ++r) {
     const bool is_full = ps.has_full && r == 0;

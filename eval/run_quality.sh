@@ -54,7 +54,7 @@ if ! command -v gnuplot >/dev/null 2>&1; then
   [[ $(id -u) -ne 0 ]] && sudo_cmd=sudo
   $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq gnuplot-nox >/dev/null
 fi
-# The policies to plot: the program's list (triattn_eval --list-policies, the roster's order),
+# The policies to plot: the program's list (triattn_eval --list-policies, the registry's order),
 # those of them the grid evaluated.
 policies=$("$triattn_eval" --list-policies | while read -r p; do
   if grep -q "^$p," "$out/quality.csv"; then printf '%s ' "$p"; fi

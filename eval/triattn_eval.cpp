@@ -15,10 +15,10 @@
 // M is a llama2.c checkpoint (with --tokenizer T.bin) or, in a build with llama.cpp, a GGUF
 // file. `tokenize` and `logits` let other engines be compared with the runner token for token.
 //
-// Rows: `full`, the references `random` and `window`, every compressing policy of the roster
-// (llama2c::policy_registry, in its order), then variants of TriAttention.
+// Rows: `full`, the references `random` and `window`, every compressing policy of the registry
+// (triattn::policy_registry, in its order), then variants of TriAttention.
 //
-// Teacher-forced over N windows of the text (llama2c::text_windows: blank-line paragraphs, BOS +
+// Teacher-forced over N windows of the text (triattn_runner::text_windows: blank-line paragraphs, BOS +
 // tokens each, concatenated to the model's context). Every policy runs on the same schedule: a
 // slack trigger of D tokens (a round when the cache holds budget + D tokens cuts it to budget),
 // so the peak is budget + D tokens for every policy. No prompt protection (the windows have no
@@ -59,14 +59,14 @@
 #include <thread>
 #include <vector>
 
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
-#include "llama2c/text_model.hpp"
 #include "eval_common.hpp"
 #include "eval_policies.hpp"
 #include "long_context.hpp"
-#include "triattn/io/npy.hpp"
+#include "runner/compressed_session.hpp"
+#include "runner/runner.hpp"
+#include "runner/text_model.hpp"
 #include "triattn/calibration/stats_file.hpp"
+#include "triattn/io/npy.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
@@ -177,9 +177,9 @@ options parse(int argc, char** argv) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Text: paragraphs as llama2c::text_windows splits them, for the generation prompts.
+// Text: paragraphs as triattn_runner::text_windows splits them, for the generation prompts.
 
-std::vector<std::vector<int>> paragraph_prompts(const llama2c::tokenizer& tok, std::string_view text, int min_tokens,
+std::vector<std::vector<int>> paragraph_prompts(const triattn_runner::tokenizer& tok, std::string_view text, int min_tokens,
                                                 int count) {
   std::vector<std::vector<int>> out;
   constexpr std::string_view blank = " \t\r\f\v";
@@ -188,7 +188,7 @@ std::vector<std::vector<int>> paragraph_prompts(const llama2c::tokenizer& tok, s
     const auto first = paragraph.find_first_not_of(blank);
     if (first == std::string::npos) return;
     const auto last = paragraph.find_last_not_of(blank);
-    std::vector<int> ids{llama2c::bos_id};
+    std::vector<int> ids{triattn_runner::bos_id};
     const auto body = tok.encode(std::string_view(paragraph).substr(first, last + 1 - first), false, false);
     ids.insert(ids.end(), body.begin(), body.end());
     paragraph.clear();
@@ -222,41 +222,10 @@ struct window_sums {
   std::int64_t n = 0;
 };
 
-/// A round when the policy's schedule (the evaluation's, given at construction) says so.
-/// No prompt protection: the round context holds the next token's position, no prompt.
-inline bool maybe_compress(llama2c::any_policy& policy, llama2c::session& s, std::int64_t budget) {
-  return triattn::maybe_compress(policy, s.view(), budget, triattn::round_context{s.position(), 0});
-}
-
 /// One sequence of the evaluation: a session, its policy (none for `full`) fed with the
-/// session's attention, and the round schedule.
-struct runner {
-  llama2c::session session;
-  std::optional<llama2c::any_policy> policy;
-  std::optional<llama2c::policy_observer> feed;
-  std::int64_t budget;
-  std::int64_t peak = 0;
-  bool compressed = false;
-
-  runner(const llama2c::model& m, std::int64_t capacity, std::optional<llama2c::any_policy> p, std::int64_t b)
-      : session(m, capacity), policy(std::move(p)), budget(b) {
-    if (policy) {
-      policy->attach(session.view());
-      feed.emplace(*policy);
-      session.set_observer(&*feed);
-    }
-  }
-  runner(const runner&) = delete;
-  runner& operator=(const runner&) = delete;
-
-  /// Forward, then a round when the schedule says so. The logits stay valid until the next step.
-  std::span<const float> step(int token) {
-    const auto logits = session.forward(token);
-    peak = std::max(peak, session.kv_bytes());
-    if (policy) compressed |= maybe_compress(*policy, session, budget);
-    return logits;
-  }
-};
+/// session's attention, rounds on the evaluation's schedule with no prompt protection (the
+/// round context holds the next token's position, no prompt).
+using runner = triattn_runner::compressed_session;
 
 struct job {  // one compressed (policy, budget) row
   std::size_t policy;  // index into the evaluated policies
@@ -265,7 +234,7 @@ struct job {  // one compressed (policy, budget) row
 
 class evaluator {
  public:
-  evaluator(const options& o, const llama2c::model& m, const std::vector<eval_policy>& policies,
+  evaluator(const options& o, const triattn_runner::model& m, const std::vector<eval_policy>& policies,
             const triattn::query_stats* stats, std::vector<std::vector<int>> windows,
             std::vector<std::vector<int>> prompts)
       : o_(o), m_(m), policies_(policies), stats_(stats), windows_(std::move(windows)), prompts_(std::move(prompts)),
@@ -286,7 +255,10 @@ class evaluator {
 
   void run(int threads) {
     bar_ = std::make_unique<progress_bar>("triattn_eval", total_units_);
-    parallel_tasks(windows_.size() + prompts_.size(), threads, [&](std::size_t t) {
+    const std::size_t count = windows_.size() + prompts_.size();
+    // No more members than tasks: an idle member would spin beside the working ones.
+    triattn_runner::thread_team team(static_cast<int>(std::clamp<std::size_t>(count, 1, static_cast<std::size_t>(threads))));
+    team.for_each_dynamic(count, [&](std::size_t t) {
       if (t < windows_.size())
         run_window(t);
       else
@@ -301,7 +273,7 @@ class evaluator {
 
  private:
   const options& o_;
-  const llama2c::model& m_;
+  const triattn_runner::model& m_;
   const std::vector<eval_policy>& policies_;
   const triattn::query_stats* stats_;
   std::vector<std::vector<int>> windows_, prompts_;
@@ -345,7 +317,7 @@ class evaluator {
     std::vector<int> top(static_cast<std::size_t>(T));
     std::vector<double> nll_full(static_cast<std::size_t>(T), 0.0);
     {
-      llama2c::session full(m_, T);
+      triattn_runner::session full(m_, T);
       for (std::int64_t t = 0; t < T; ++t) {
         const auto logits = full.forward(tokens[static_cast<std::size_t>(t)]);
         full_peak_[w] = std::max(full_peak_[w], full.kv_bytes());
@@ -354,7 +326,7 @@ class evaluator {
           logp[static_cast<std::size_t>(t) * V + i] = logits[i] - lse;
           prob[static_cast<std::size_t>(t) * V + i] = std::exp(logits[i] - lse);
         }
-        top[static_cast<std::size_t>(t)] = llama2c::argmax(logits);
+        top[static_cast<std::size_t>(t)] = triattn_runner::argmax(logits);
         if (t + 1 < T)
           nll_full[static_cast<std::size_t>(t)] = -logp[static_cast<std::size_t>(t) * V +
                                                         static_cast<std::size_t>(tokens[static_cast<std::size_t>(t + 1)])];
@@ -376,22 +348,21 @@ class evaluator {
                policies_[jobs_[j].policy].make(stats_, seed_of(j, w), sched_), budget);
       window_sums& s = sums_[j * windows_.size() + w];
       for (std::int64_t t = 0; t < T; ++t) {
-        const bool scored = r.compressed && t + 1 < T;  // compressed before this step's forward
-        const auto logits = r.session.forward(tokens[static_cast<std::size_t>(t)]);
-        r.peak = std::max(r.peak, r.session.kv_bytes());
+        const bool scored = r.compressed() && t + 1 < T;  // compressed before this step's forward
+        const auto logits = r.cache().forward(tokens[static_cast<std::size_t>(t)]);
         if (scored) {
           const double lse = log_sum_exp(logits);
           const std::size_t row = static_cast<std::size_t>(t) * V;
           double kl = 0.0;
           for (std::size_t i = 0; i < V; ++i) kl += prob[row + i] * (logp[row + i] - (logits[i] - lse));
           s.kl += kl;
-          s.top1 += llama2c::argmax(logits) == top[static_cast<std::size_t>(t)] ? 1.0 : 0.0;
+          s.top1 += triattn_runner::argmax(logits) == top[static_cast<std::size_t>(t)] ? 1.0 : 0.0;
           s.nll += -(logits[static_cast<std::size_t>(tokens[static_cast<std::size_t>(t + 1)])] - lse);
           ++s.n;
         }
-        r.compressed |= maybe_compress(*r.policy, r.session, budget);
+        r.maybe_compress();  // the logits stay valid: a round does not touch them
       }
-      peak_[j * tasks() + w] = r.peak;
+      peak_[j * tasks() + w] = r.peak_bytes();
       progress(T);
     }
   }
@@ -403,7 +374,7 @@ class evaluator {
     std::vector<int> out;
     out.reserve(static_cast<std::size_t>(o_.gen_tokens));
     for (int g = 0; g < o_.gen_tokens; ++g) {
-      const int next = llama2c::argmax(logits);
+      const int next = triattn_runner::argmax(logits);
       out.push_back(next);
       if (g + 1 < o_.gen_tokens) logits = r.step(next);
     }
@@ -418,7 +389,7 @@ class evaluator {
     {
       runner full(m_, units, std::nullopt, 0);
       reference = generate(full, prompt);
-      full_peak_[task] = full.peak;
+      full_peak_[task] = full.peak_bytes();
     }
     progress(units);
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
@@ -429,7 +400,7 @@ class evaluator {
       std::size_t k = 0;
       while (k < out.size() && out[k] == reference[k]) ++k;
       prefix_[j * prompts_.size() + p] = static_cast<std::int32_t>(k);
-      peak_[j * tasks() + task] = r.peak;
+      peak_[j * tasks() + task] = r.peak_bytes();
       progress(units);
     }
   }
@@ -551,10 +522,10 @@ void evaluator::write(const fs::path& dir, int threads) const {
 int run_tokenize(int argc, char** argv) {
   const auto o = subcommand_options(argc, argv, {"--model", "--tokenizer", "--text", "--out"});
   const fs::path out = required(o, "--out", "tokenize"), text_path = required(o, "--text", "tokenize");
-  const llama2c::text_model m = llama2c::text_model::load(required(o, "--model", "tokenize"),
+  const triattn_runner::text_model m = triattn_runner::text_model::load(required(o, "--model", "tokenize"),
                                                           o.contains("--tokenizer") ? o.at("--tokenizer") : "",
                                                           "triattn_eval tokenize");
-  const std::vector<int> ids = m.encode(llama2c::read_file(text_path, "triattn_eval tokenize"));
+  const std::vector<int> ids = m.encode(triattn_runner::read_file(text_path, "triattn_eval tokenize"));
   const std::vector<std::int32_t> data(ids.begin(), ids.end());
   const std::array<std::int64_t, 1> shape{static_cast<std::int64_t>(data.size())};
   triattn::io::write_npy(out, triattn::io::element_kind::i32, shape, data.data());
@@ -569,10 +540,10 @@ int run_logits(int argc, char** argv) {
                                     {"--model", "--tokenizer", "--tokens", "--out", "--policy", "--budget", "--slack", "--stats"});
   const char* api = "triattn_eval logits";
   const fs::path out = required(o, "--out", "logits"), tokens_path = required(o, "--tokens", "logits");
-  const std::string policy_name = o.contains("--policy") ? o.at("--policy") : std::string(llama2c::full_name);
+  const std::string policy_name = o.contains("--policy") ? o.at("--policy") : std::string(triattn::full_name);
   const eval_policy policy = find_eval_policy(policy_name);
   const eval_policy* p = &policy;
-  const bool compressing = policy_name != llama2c::full_name;
+  const bool compressing = policy_name != triattn::full_name;
   const std::int64_t budget = compressing ? parse_int("--budget", required(o, "--budget", "logits"), 1) : 0;
   const std::int64_t slack = o.contains("--slack") ? parse_int("--slack", o.at("--slack"), 1) : 16;
   std::optional<triattn::query_stats> stats;
@@ -584,7 +555,7 @@ int run_logits(int argc, char** argv) {
   TRIATTN_CHECK(t.kind == triattn::io::element_kind::i32 || t.kind == triattn::io::element_kind::i64, api, tokens_path,
                 ": tokens must be int32 or int64, got ", triattn::io::element_kind_name(t.kind));
   const std::vector<std::int64_t> tokens = t.to_int64();
-  const llama2c::text_model m = llama2c::text_model::load(required(o, "--model", "logits"),
+  const triattn_runner::text_model m = triattn_runner::text_model::load(required(o, "--model", "logits"),
                                                           o.contains("--tokenizer") ? o.at("--tokenizer") : "", api);
   const std::int64_t vocab = m.model().config().vocab_size;
   for (std::size_t i = 0; i < tokens.size(); ++i)
@@ -611,9 +582,9 @@ int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "long") return run_long(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "passkey") return run_passkey(argc, argv);
   const options o = parse(argc, argv);
-  const llama2c::model m = llama2c::model::load(o.model);
-  const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);
-  const std::string text = llama2c::read_file(o.text, "triattn_eval");
+  const triattn_runner::model m = triattn_runner::model::load(o.model);
+  const triattn_runner::tokenizer tok = triattn_runner::tokenizer::load(o.tokenizer, m.config().vocab_size);
+  const std::string text = triattn_runner::read_file(o.text, "triattn_eval");
 
   std::vector<eval_policy> policies;
   bool need_stats = false;
@@ -627,7 +598,7 @@ int run(int argc, char** argv) {
     stats = triattn::load_stats(o.stats);
   }
 
-  auto windows = llama2c::text_windows(tok, text, m.config().seq_len, o.windows);
+  auto windows = triattn_runner::text_windows(tok, text, m.config().seq_len, o.windows);
   if (windows.empty()) throw usage_error{"the text holds no full window of " + std::to_string(m.config().seq_len) + " tokens"};
   auto prompts = paragraph_prompts(tok, text, o.prompt_tokens, o.prompts);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));

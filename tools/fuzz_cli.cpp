@@ -35,6 +35,7 @@
 
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/io/npy.hpp"
+#include "triattn/registry.hpp"
 
 namespace fs = std::filesystem;
 namespace io = triattn::io;
@@ -231,18 +232,26 @@ int main(int argc, char** argv) {
   struct command {
     std::vector<std::string> args;
   };
-  const std::vector<command> commands = {
+  std::vector<command> commands = {
       {{"score", "triattention", "--stats", s, "--keys", k, "--round-start", "16", "--out", o}},
       {{"select", "triattention", "--stats", s, "--keys", k, "--positions", p, "--pre-rope", "--round-start", "16",
         "--budget", "5", "--out", o}},
-      {{"select", "h2o", "--keys", k, "--attn", a, "--budget", "5", "--out", o}},
-      {{"score", "vatp", "--keys", k, "--values", v, "--attn", a, "--out", o}},
-      {{"select", "snapkv", "--keys", k, "--queries", q, "--budget", "6", "--out", o}},
-      {{"score", "rkv", "--keys", k, "--queries", q, "--out", o}},
       {{"inspect", s}},
       {{"calibrate", "--model", model.string(), "--tokenizer", tok.string(), "--text", text.string(), "--out",
         out_st.string(), "--windows", "1", "--window-tokens", "32"}},
   };
+  // Every policy of the registry that observes attention or queries, with the inputs its
+  // entry names; select and score in turn.
+  for (const triattn::policy_entry& e : triattn::policy_registry) {
+    if (!e.needs.attention && !e.needs.queries) continue;
+    command c{{commands.size() % 2 == 0 ? "select" : "score", std::string(e.name), "--keys", k}};
+    if (e.needs.values) c.args.insert(c.args.end(), {"--values", v});
+    if (e.needs.attention) c.args.insert(c.args.end(), {"--attn", a});
+    if (e.needs.queries) c.args.insert(c.args.end(), {"--queries", q});
+    if (c.args[0] == "select") c.args.insert(c.args.end(), {"--budget", "5"});
+    c.args.insert(c.args.end(), {"--out", o});
+    commands.push_back(std::move(c));
+  }
   const std::vector<fs::path> roles = {keys, values, attn, queries, positions, stats_file, model, tok, text};
 
   // Special outputs: a FIFO and a symbolic link must stay what they are.

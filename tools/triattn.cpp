@@ -11,7 +11,7 @@
 // Every error prints one line naming the file and the problem and exits with code 2; nothing
 // is written then (outputs are written last, through a temporary file and a rename).
 //
-// The policies are the roster's (llama2c::policy_registry): their names, the usage text and
+// The policies are the registry's (triattn::policy_registry): their names, the usage text and
 // the unknown-policy error come from it. Every `select` runs the library's round pipeline
 // (`policy.plan(view, budget, ctx)` with `config.round.grain` from --granularity).
 
@@ -32,10 +32,9 @@
 #include <utility>
 #include <vector>
 
-#include "llama2c/calibration.hpp"
-#include "llama2c/text_model.hpp"
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
+#include "runner/calibration.hpp"
+#include "runner/runner.hpp"
+#include "runner/text_model.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
@@ -214,7 +213,7 @@ class npy_cache {
       throw triattn::error(path.string() + ": values have shape " + io::detail::shape_string(values_->shape) + ", keys have " +
                            io::detail::shape_string(keys_.shape));
     // Mixed dtypes meet at float32, which holds float16 exactly: neither input loses precision
-    // (casting float32 values to float16 keys would change VATP's ||V||_1).
+    // (casting float32 values to float16 keys would change a value norm).
     if (values_->kind != keys_.kind) {
       if (keys_.kind == io::element_kind::f16) {
         keys_ = as_kind(std::move(keys_), io::element_kind::f32);
@@ -405,7 +404,9 @@ int select_triattention(const options& o) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Baselines: H2O and VATP read attention rows, SnapKV and R-KV the last w queries.
+// The policies that read attention rows or a query window (the registry's `needs`), through
+// one path: their inputs read and checked, the policy made by the registry, fed, then scored
+// or asked for keep sets.
 
 /// An input array checked against [num_layers, -, -, n] of the keys; returns its second axis
 /// (the q-heads), which must be a multiple of the kv-heads.
@@ -420,82 +421,39 @@ int check_rows(const io::npy_array& a, const std::string& path, const npy_cache&
   return static_cast<int>(a.shape[1]);
 }
 
-/// The keys (and values, for VATP) of a baseline command, as a view with `q_heads` q-heads.
-/// Positions are the slot indices: the rows fed below sit at the last positions.
-template <class Policy>
-triattn::dense_kv_view baseline_view(npy_cache& cache, int q_heads, Policy& policy) {
-  const triattn::dense_kv_view view = cache.view(q_heads, triattn::key_state::post_rope, triattn::rope_desc{});
-  policy.attach(view);
-  return view;
-}
+/// What a policy observes: rows of attention [L, Hq, rows, N] (`probs`) or of queries
+/// [L, Hq, rows, D] (not `probs`); row r of (l, h) is the token at position N - rows + r.
+struct observed_rows {
+  std::vector<float> data;
+  int q_heads = 0;
+  std::int64_t rows = 0, width = 0;
+  bool probs = false;
+};
 
-/// Feeds `--attn` [L, Hq, rows, N]: row r of (l, h) is the query at position N - rows + r.
-template <class Policy>
-triattn::dense_kv_view feed_attention(const options& o, npy_cache& cache, Policy& policy) {
+/// Reads `--attn` [L, Hq, rows, N]: probabilities of the last rows' queries.
+observed_rows read_attention(const options& o, const npy_cache& cache) {
   const std::string path = o.required("--attn");
   const io::npy_array attn = io::read_npy(path);
   const int q_heads = check_rows(attn, path, cache, cache.tokens(), "attention [num_layers, num_q_heads, rows, num_tokens]");
   const std::int64_t rows = attn.shape[2], n = cache.tokens();
   // Row r is the query at position n - rows + r: more rows than tokens has no position.
   if (rows > n) throw triattn::error(path + ": " + std::to_string(rows) + " attention rows exceed num_tokens " + std::to_string(n));
-  const std::vector<float> p = finite_floats(attn, path, "attention");
+  std::vector<float> p = finite_floats(attn, path, "attention");
   for (std::size_t i = 0; i < p.size(); ++i)
     if (p[i] < 0.0f || p[i] > 1.0f)
       throw triattn::error(path + ": attention holds " + std::to_string(p[i]) + " at element " + std::to_string(i) +
                            ": probabilities must be in [0, 1]");
-  const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
-  for (int l = 0; l < cache.layers(); ++l)
-    for (int h = 0; h < q_heads; ++h)
-      for (std::int64_t r = 0; r < rows; ++r)
-        policy.observe(l, h, static_cast<std::int32_t>(n - rows + r), {},
-                       std::span<const float>(p).subspan(static_cast<std::size_t>(((l * q_heads + h) * rows + r) * n),
-                                                         static_cast<std::size_t>(n)));
-  return view;
+  return {std::move(p), q_heads, rows, n, true};
 }
 
-/// Feeds `--queries` [L, Hq, w, D]: window row i of (l, h) is the query at position N - w + i.
-/// Sets the policy's window to w.
-template <class Policy>
-triattn::dense_kv_view feed_queries(const options& o, npy_cache& cache, Policy& policy) {
+/// Reads `--queries` [L, Hq, w, D]: the last w queries, post-RoPE.
+observed_rows read_queries(const options& o, const npy_cache& cache) {
   const std::string path = o.required("--queries");
   const io::npy_array q = io::read_npy(path);
   const int q_heads = check_rows(q, path, cache, cache.head_dim(), "queries [num_layers, num_q_heads, w, head_dim]");
-  const std::int64_t w = q.shape[2], n = cache.tokens(), d = cache.head_dim();
+  const std::int64_t w = q.shape[2], n = cache.tokens();
   if (w > n) throw triattn::error(path + ": window " + std::to_string(w) + " exceeds num_tokens " + std::to_string(n));
-  policy.config.window = static_cast<int>(w);
-  const std::vector<float> v = finite_floats(q, path, "queries");
-  const triattn::dense_kv_view view = baseline_view(cache, q_heads, policy);
-  for (int l = 0; l < cache.layers(); ++l)
-    for (int h = 0; h < q_heads; ++h)
-      for (std::int64_t i = 0; i < w; ++i)
-        policy.observe(l, h, static_cast<std::int32_t>(n - w + i),
-                       std::span<const float>(v).subspan(static_cast<std::size_t>(((l * q_heads + h) * w + i) * d),
-                                                         static_cast<std::size_t>(d)),
-                       {});
-  return view;
-}
-
-/// `score <policy>`: float32 [num_layers, num_kv_heads, num_tokens] after GQA aggregation.
-template <class Policy>
-void write_scores(const options& o, const npy_cache& cache, const Policy& policy, const triattn::dense_kv_view& view) {
-  const fs::path out = o.required("--out");
-  std::vector<float> scores(static_cast<std::size_t>(cache.layers()) * static_cast<std::size_t>(cache.kv_heads()) *
-                            static_cast<std::size_t>(cache.tokens()));
-  policy.score(view, scores);
-  const std::int64_t shape[] = {cache.layers(), cache.kv_heads(), cache.tokens()};
-  io::write_npy(out, io::element_kind::f32, shape, scores.data());
-}
-
-/// `select <policy>`: a round of the policy's own at --granularity (default per_layer), int64
-/// ascending keep sets (see write_keep).
-template <class Policy>
-void write_selection(const options& o, const npy_cache& cache, Policy& policy, const triattn::dense_kv_view& view) {
-  const std::int64_t budget = o.integer("--budget", 1);
-  const fs::path out = o.required("--out");
-  policy.config.round.grain = granularity_option(o, policy.config.round.grain);
-  // No prompt; the round starts after the last slot (slot j holds position j).
-  const triattn::keep_plan plan = policy.plan(view, budget, triattn::round_context{});
-  write_keep(out, plan, view.geo, policy.config.round.grain, budget, cache.tokens());
+  return {finite_floats(q, path, "queries"), q_heads, w, cache.head_dim(), false};
 }
 
 triattn::gqa_aggregation gqa_option(const options& o) {
@@ -504,42 +462,59 @@ triattn::gqa_aggregation gqa_option(const options& o) {
                                                                    : triattn::gqa_aggregation::sum;
 }
 
-/// Runs `score` or `select` for a baseline: `make` builds the policy from the options,
-/// `feed` gives it its inputs.
-template <class Policy>
-int run_baseline(const options& o, bool select, Policy policy,
-                 triattn::dense_kv_view (*feed)(const options&, npy_cache&, Policy&)) {
+/// The shape of an input a policy needs, for the usage error when it is missing.
+constexpr const char* values_shape = "[num_layers, num_kv_heads, num_tokens, head_dim]";
+
+/// Runs `score` or `select` for a policy that observes attention rows or a query window.
+int run_observing(const options& o, bool select, const triattn::policy_entry& entry) {
+  if (entry.needs.values && !o.has("--values"))
+    throw usage_error{std::string(entry.name) + " needs --values " + values_shape};
+  triattn::policy_inputs in;
+  if (entry.takes_gqa) in.gqa = gqa_option(o);
   // Slot j holds position j (cli.md's formulas; the rows fed sit at the last positions):
   // --positions is triattention's input, ignored here like every input a command does not use.
   npy_cache cache(o.required("--keys"), std::nullopt);
   if (const auto values = o.optional_value("--values")) cache.add_values(*values);
-  const triattn::dense_kv_view view = feed(o, cache, policy);
+  const observed_rows r = entry.needs.attention ? read_attention(o, cache) : read_queries(o, cache);
+  if (!r.probs) in.window = static_cast<int>(r.rows);  // the query window is the rows given
+  triattn::any_policy policy = *entry.create(in);
+  const triattn::dense_kv_view view = cache.view(r.q_heads, triattn::key_state::post_rope, triattn::rope_desc{});
+  policy.attach(view);
+  const std::int64_t n = cache.tokens();
+  const std::span<const float> all(r.data);
+  for (int l = 0; l < cache.layers(); ++l)
+    for (int h = 0; h < r.q_heads; ++h)
+      for (std::int64_t i = 0; i < r.rows; ++i) {
+        const auto row = all.subspan(static_cast<std::size_t>(((l * r.q_heads + h) * r.rows + i) * r.width),
+                                     static_cast<std::size_t>(r.width));
+        const auto position = static_cast<std::int32_t>(n - r.rows + i);
+        if (r.probs) {
+          policy.observe(l, h, position, {}, row);
+        } else {
+          policy.observe(l, h, position, row, {});
+        }
+      }
   if (select) {
-    write_selection(o, cache, policy, view);
+    // `select <policy>`: a round of the policy's own at --granularity (default its own), int64
+    // ascending keep sets (see write_keep).
+    const std::int64_t budget = o.integer("--budget", 1);
+    const fs::path out = o.required("--out");
+    triattn::round_options round = policy.round();
+    round.grain = granularity_option(o, round.grain);
+    policy.set_round(round);
+    // No prompt; the round starts after the last slot (slot j holds position j).
+    const triattn::keep_plan plan = policy.plan(view, budget, triattn::round_context{});
+    write_keep(out, plan, view.geo, round.grain, budget, n);
   } else {
-    write_scores(o, cache, policy, view);
+    // `score <policy>`: float32 [num_layers, num_kv_heads, num_tokens] after GQA aggregation.
+    const fs::path out = o.required("--out");
+    std::vector<float> scores(static_cast<std::size_t>(cache.layers()) * static_cast<std::size_t>(cache.kv_heads()) *
+                              static_cast<std::size_t>(n));
+    policy.score(view, scores);
+    const std::int64_t shape[] = {cache.layers(), cache.kv_heads(), n};
+    io::write_npy(out, io::element_kind::f32, shape, scores.data());
   }
   return 0;
-}
-
-int h2o_command(const options& o, bool select) {
-  triattn::h2o_config c;
-  c.gqa = gqa_option(o);
-  return run_baseline(o, select, triattn::h2o(c), feed_attention<triattn::h2o>);
-}
-int vatp_command(const options& o, bool select) {
-  if (!o.has("--values")) throw usage_error{"vatp needs --values [num_layers, num_kv_heads, num_tokens, head_dim]"};
-  triattn::vatp_config c;
-  c.gqa = gqa_option(o);
-  return run_baseline(o, select, triattn::vatp(c), feed_attention<triattn::vatp>);
-}
-int snapkv_command(const options& o, bool select) {
-  triattn::snapkv_config c;
-  c.gqa = gqa_option(o);
-  return run_baseline(o, select, triattn::snapkv(c), feed_queries<triattn::snapkv>);
-}
-int rkv_command(const options& o, bool select) {
-  return run_baseline(o, select, triattn::rkv(triattn::rkv_config::paper()), feed_queries<triattn::rkv>);
 }
 
 /// `select streaming_llm --keys K --budget B [--sinks S]`: the first S slots and the most
@@ -641,13 +616,13 @@ void progress(const char* what, std::int64_t done, std::int64_t total) {
 /// 0.7) from `--seed` (default 1) with a repetition penalty of 1.2 over the last
 /// `--repeat-window` tokens (default 128; 0: none), end-of-turn tokens excluded so that every
 /// answer runs the whole length.
-int calibrate_on_answers(const options& o, const llama2c::text_model& model, const fs::path& model_path,
+int calibrate_on_answers(const options& o, const triattn_runner::text_model& model, const fs::path& model_path,
                          const fs::path& out) {
   const char* api = "triattn calibrate";
   const fs::path prompts_path = *o.optional_value("--prompts");
   std::vector<std::vector<int>> prompts;
   std::size_t longest = 0;
-  for (const std::string& p : llama2c::read_prompts(prompts_path, api)) {
+  for (const std::string& p : triattn_runner::read_prompts(prompts_path, api)) {
     prompts.push_back(model.chat(p));
     longest = std::max(longest, prompts.back().size());
   }
@@ -665,14 +640,14 @@ int calibrate_on_answers(const options& o, const llama2c::text_model& model, con
     throw usage_error{"--temperature \"" + temperature_text + "\" is not a number > 0"};
   const auto seed = static_cast<std::uint64_t>(o.integer("--seed", 0, 1));
   // triattn_eval long's sampler: SmolLM2's long answers loop without the penalty.
-  const std::int64_t repeat_window = o.integer("--repeat-window", 0, llama2c::answer_sampler::default_window);
+  const std::int64_t repeat_window = o.integer("--repeat-window", 0, triattn_runner::answer_sampler::default_window);
   const std::vector<std::uint8_t> allowed = model.non_ending_tokens();
-  triattn::query_stats stats = llama2c::calibrate_on_answers(
+  triattn::query_stats stats = triattn_runner::calibrate_on_answers(
       model.model(), prompts, static_cast<int>(length), seed, temperature, allowed,
       [](std::size_t done, std::size_t total) {
         progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
       },
-      llama2c::answer_sampler::default_penalty, static_cast<int>(repeat_window));
+      triattn_runner::answer_sampler::default_penalty, static_cast<int>(repeat_window));
   stats.info["model"] = model_path.filename().string();
   stats.info["source"] = prompts_path.filename().string() + ": the model's answers, " + std::to_string(answer) +
                          "+ tokens each, temperature " + temperature_text + ", repetition penalty 1.2 over " +
@@ -686,8 +661,8 @@ int calibrate_on_answers(const options& o, const llama2c::text_model& model, con
 int calibrate(const options& o) {
   const fs::path model_path = o.required("--model");
   const fs::path out = o.required("--out");
-  const llama2c::text_model model =
-      llama2c::text_model::load(model_path, o.optional_value("--tokenizer").value_or(""), "triattn calibrate");
+  const triattn_runner::text_model model =
+      triattn_runner::text_model::load(model_path, o.optional_value("--tokenizer").value_or(""), "triattn calibrate");
   if (o.optional_value("--prompts")) return calibrate_on_answers(o, model, model_path, out);
   const fs::path text_path = o.required("--text");
   const std::int64_t max_windows = o.integer("--windows", 1, 100, INT32_MAX);
@@ -697,13 +672,13 @@ int calibrate(const options& o) {
   if (window > context)
     throw triattn::error("--window-tokens " + std::to_string(window) + " is longer than the model's context of " +
                          std::to_string(context) + " tokens");
-  const std::string text = llama2c::read_file(text_path, "triattn calibrate");
-  const auto windows = llama2c::text_windows([&](std::string_view p) { return model.encode_paragraph(p); }, text,
+  const std::string text = triattn_runner::read_file(text_path, "triattn calibrate");
+  const auto windows = triattn_runner::text_windows([&](std::string_view p) { return model.encode_paragraph(p); }, text,
                                              static_cast<int>(window), static_cast<int>(max_windows));
   if (windows.empty())
     throw triattn::error(text_path.string() + ": the text holds no full window of " + std::to_string(window) +
                          " tokens");
-  triattn::query_stats stats = llama2c::calibrate(model.model(), windows, [](std::size_t done, std::size_t total) {
+  triattn::query_stats stats = triattn_runner::calibrate(model.model(), windows, [](std::size_t done, std::size_t total) {
     progress("calibrate", static_cast<std::int64_t>(done), static_cast<std::int64_t>(total));
   });
   stats.info["model"] = model_path.filename().string();
@@ -720,43 +695,24 @@ int triattention_command(const options& o, bool select) {
   return select ? select_triattention(o) : score_triattention(o);
 }
 
-struct policy_command {
-  std::string_view name;
-  int (*run)(const options&, bool select);
-};
-
-/// One command per compressing policy of the roster, under the roster's name.
-constexpr policy_command policy_commands[] = {
-    {triattn::streaming_llm::name, streaming_llm_command},
-    {triattn::h2o::name, h2o_command},
-    {triattn::snapkv::name, snapkv_command},
-    {triattn::vatp::name, vatp_command},
-    {triattn::rkv::name, rkv_command},
-    {triattn::triattention::name, triattention_command},
-};
-
-/// Whether every compressing roster policy has a command, and every command a roster entry.
-constexpr bool commands_match_roster() {
-  std::size_t compressing = 0;
-  for (const llama2c::policy_entry& e : llama2c::policy_registry) {
-    if (!e.compresses()) continue;
-    ++compressing;
-    bool found = false;
-    for (const policy_command& c : policy_commands) found = found || c.name == e.name;
-    if (!found) return false;
-  }
-  // By value, not through find_policy's pointer: comparing pointers with null is not a
-  // constant expression under UBSan.
-  for (const policy_command& c : policy_commands) {
-    bool found = false;
-    for (const llama2c::policy_entry& e : llama2c::policy_registry) found = found || (e.name == c.name && e.compresses());
-    if (!found) return false;
-  }
-  return compressing == std::size(policy_commands);
+/// `score` or `select` for the policy of `entry`: streaming_llm and triattention have options
+/// of their own; every policy that observes attention or queries goes through one path.
+int policy_command(const options& o, bool select, const triattn::policy_entry& entry) {
+  if (entry.name == triattn::streaming_llm::name) return streaming_llm_command(o, select);
+  if (entry.name == triattn::triattention::name) return triattention_command(o, select);
+  return run_observing(o, select, entry);
 }
-static_assert(commands_match_roster(), "triattn: every policy of llama2c::policy_registry needs a command here");
 
-/// The usage text; its list of policies is the roster's.
+/// "h2o, snapkv": the compressing policies for which `pick` holds, for the usage text.
+template <class Pick>
+std::string names_where(Pick pick) {
+  std::string out;
+  for (const triattn::policy_entry& e : triattn::policy_registry)
+    if (e.compresses() && pick(e)) out += (out.empty() ? "" : ", ") + std::string(e.name);
+  return out;
+}
+
+/// The usage text; its list of policies is the registry's.
 std::string usage_text() {
   return "usage:\n"
          "  triattn score <policy> [inputs] --out SCORES.npy\n"
@@ -769,19 +725,25 @@ std::string usage_text() {
          "                    (GGUF: a build with llama.cpp; windows of min(context, 512) tokens by default)\n"
          "\n"
          "policies: " +
-         llama2c::policy_names(true) +
+         triattn::policy_names(true) +
          " (streaming_llm: select only)\n"
          "inputs (.npy, little-endian, C order; float32, float16 or float64); each command ignores those it does not "
          "use:\n"
          "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys (all policies)\n"
-         "  --values V      [num_layers, num_kv_heads, num_tokens, head_dim] (vatp)\n"
-         "  --attn A        [num_layers, num_q_heads, rows, num_tokens] probabilities of the rows seen so far (h2o, "
-         "vatp)\n"
-         "  --queries Q     [num_layers, num_q_heads, w, head_dim] the last w queries, post-RoPE (snapkv, rkv)\n"
+         "  --values V      [num_layers, num_kv_heads, num_tokens, head_dim] (" +
+         names_where([](const auto& e) { return e.needs.values; }) +
+         ")\n"
+         "  --attn A        [num_layers, num_q_heads, rows, num_tokens] probabilities of the rows seen so far (" +
+         names_where([](const auto& e) { return e.needs.attention; }) +
+         ")\n"
+         "  --queries Q     [num_layers, num_q_heads, w, head_dim] the last w queries, post-RoPE (" +
+         names_where([](const auto& e) { return e.needs.queries; }) + ")\n"
          "  --stats S       triattn.stats.v1 safetensors (triattention)\n"
          "  --round-start R position of the next token (triattention)\n"
          "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (triattention; default: slot index)\n"
-         "  --gqa mean|max|sum   GQA aggregation of h2o, vatp, snapkv (default mean); triattention: max|mean\n"
+         "  --gqa mean|max|sum   GQA aggregation of " +
+         names_where([](const auto& e) { return e.takes_gqa; }) +
+         " (default mean); triattention: max|mean\n"
          "  --sinks S       attention sinks of streaming_llm (default 4)\n"
          "triattention options: --offset-max N (65536) --aggregation mean|max --disable-trig --disable-norm\n"
          "  --no-normalize --window W\n"
@@ -808,9 +770,9 @@ int run(int argc, char** argv) {
     const options o(argc, argv, 3);
     if (o.has("--help")) return std::fputs(usage_text().c_str(), stdout), 0;
     check_out(o);
-    for (const policy_command& p : policy_commands)
-      if (p.name == argv[2]) return p.run(o, command == "select");
-    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: " + llama2c::policy_names(true) + ")"};
+    const triattn::policy_entry* entry = triattn::find_policy(argv[2]);
+    if (entry != nullptr && entry->compresses()) return policy_command(o, command == "select", *entry);
+    throw usage_error{"unknown policy \"" + std::string(argv[2]) + "\" (known: " + triattn::policy_names(true) + ")"};
   }
   const options o(argc, argv, 2);
   if (o.has("--help")) return std::fputs(usage_text().c_str(), stdout), 0;

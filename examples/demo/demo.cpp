@@ -21,10 +21,10 @@
 #include <string_view>
 #include <vector>
 
-#include "llama2c/calibration.hpp"
 #include "demo/common.hpp"
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
+#include "runner/calibration.hpp"
+#include "runner/compressed_session.hpp"
+#include "runner/runner.hpp"
 #include "triattn/triattn.hpp"
 
 // The repository's models/stories260K (examples/CMakeLists.txt sets it).
@@ -36,15 +36,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The roster's names (llama2c::policy_registry), in its order.
+// The registry's names (triattn::policy_registry), in its order.
 std::vector<std::string> every_policy() {
   std::vector<std::string> out;
-  for (const std::string_view name : llama2c::policy_name_list()) out.emplace_back(name);
+  for (const std::string_view name : triattn::policy_name_list()) out.emplace_back(name);
   return out;
 }
 
 struct options {
-  std::vector<std::string> policies = every_policy();  ///< default: the whole roster
+  std::vector<std::string> policies = every_policy();  ///< default: the whole registry
   std::int64_t budget = 64;
   std::int64_t slack = 16;
   int steps = 256;
@@ -87,7 +87,7 @@ void print_help() {
       "                    blank lines, as `triattn calibrate` reads them)\n"
       "  --help            this text\n\n"
       "policies:\n");
-  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+  for (const triattn::policy_entry& e : triattn::policy_registry)
     std::printf("  %-16s  %.*s\n", std::string(e.name).c_str(), static_cast<int>(e.summary.size()), e.summary.data());
 }
 
@@ -96,8 +96,8 @@ std::vector<std::string> split_policies(std::string_view list) {
   while (true) {
     const std::size_t comma = std::min(list.find(','), list.size());
     const std::string name(list.substr(0, comma));
-    if (llama2c::find_policy(name) == nullptr)
-      usage_error("unknown policy \"" + name + "\"; known: " + llama2c::policy_names());
+    if (triattn::find_policy(name) == nullptr)
+      usage_error("unknown policy \"" + name + "\"; known: " + triattn::policy_names());
     out.push_back(name);
     if (comma == list.size()) return out;
     list.remove_prefix(comma + 1);
@@ -167,36 +167,30 @@ struct run_result {
 };
 
 // Greedy decoding from BOS with `name`'s cache; the full-cache session reads the same tokens.
-run_result run(const llama2c::model& m, const llama2c::tokenizer& tok, const std::string& name, const options& o,
-               const llama2c::policy_inputs& inputs) {
-  std::optional<llama2c::any_policy> policy = llama2c::find_policy(name)->create(inputs);  // on o.schedule()
+run_result run(const triattn_runner::model& m, const triattn_runner::tokenizer& tok, const std::string& name, const options& o,
+               const triattn::policy_inputs& inputs) {
+  std::optional<triattn::any_policy> policy = triattn::find_policy(name)->create(inputs);  // on o.schedule()
   const triattn::schedule sched = o.schedule();
   const auto start = std::chrono::steady_clock::now();
-  llama2c::session full(m, o.steps);
-  llama2c::session compressed(m, policy ? std::min<std::int64_t>(sched.peak_tokens(o.budget), o.steps) : o.steps);
-  std::optional<llama2c::policy_observer> feed;  // attention rows for the policies that read them
-  if (policy) {
-    policy->attach(compressed.view());
-    compressed.set_observer(&feed.emplace(*policy));
-  }
+  triattn_runner::session full(m, o.steps);
+  const std::int64_t capacity = policy ? std::min<std::int64_t>(sched.peak_tokens(o.budget), o.steps) : o.steps;
+  triattn_runner::compressed_session compressed(m, capacity, std::move(policy), o.budget);
 
   run_result r;
   r.policy = name;
   std::vector<int> generated;
   double kl_sum = 0.0;
-  int token = llama2c::bos_id;
+  int token = triattn_runner::bos_id;
   for (int step = 0; step < o.steps; ++step) {
-    const std::span<const float> logits = compressed.forward(token);
-    kl_sum += llama2c::kl_divergence(full.forward(token), logits);
-    token = llama2c::argmax(logits);
-    r.peak_bytes = std::max(r.peak_bytes, compressed.kv_bytes());
     // No prompt: the story starts from BOS, and every generated token may be evicted.
-    if (policy && triattn::maybe_compress(*policy, compressed.view(), o.budget,
-                                          triattn::round_context{compressed.position(), 0}))
-      ++r.rounds;
-    if (token == llama2c::bos_id) break;  // the model ends a story with BOS
+    const std::span<const float> logits = compressed.step(token);
+    kl_sum += triattn_runner::kl_divergence(full.forward(token), logits);
+    token = triattn_runner::argmax(logits);
+    if (token == triattn_runner::bos_id) break;  // the model ends a story with BOS
     generated.push_back(token);
   }
+  r.peak_bytes = compressed.peak_bytes();
+  r.rounds = compressed.rounds();
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.tokens = static_cast<int>(generated.size());
   r.text = tok.decode(generated);
@@ -212,7 +206,7 @@ double saved_percent(const run_result& r) {
 
 // TriAttention's statistics: from --stats, or calibrated now, on --calibration-text or on
 // windows the model samples itself (not the greedy story it then writes).
-triattn::query_stats load_or_calibrate(const llama2c::model& m, const llama2c::tokenizer& tok, const options& o) {
+triattn::query_stats load_or_calibrate(const triattn_runner::model& m, const triattn_runner::tokenizer& tok, const options& o) {
   if (!o.stats.empty()) {
     std::printf("TriAttention statistics from %s\n", o.stats.string().c_str());
     return triattn::load_stats(o.stats);
@@ -221,13 +215,13 @@ triattn::query_stats load_or_calibrate(const llama2c::model& m, const llama2c::t
     if (!fs::is_regular_file(o.calibration_text)) missing_file("calibration text", o.calibration_text);
     std::printf("calibrating TriAttention on %d windows of %s\n", o.calibration_windows,
                 o.calibration_text.filename().string().c_str());
-    return llama2c::calibrate(m, tok, llama2c::read_file(o.calibration_text), o.calibration_windows);
+    return triattn_runner::calibrate(m, tok, triattn_runner::read_file(o.calibration_text), o.calibration_windows);
   }
   std::printf("calibrating TriAttention on %d windows of %d tokens that the model samples from BOS\n"
               "(temperature %g, seed %llu; --calibration-text FILE calibrates on text instead)\n",
               o.calibration_windows, m.config().seq_len, o.calibration_temperature,
               static_cast<unsigned long long>(o.calibration_seed));
-  return llama2c::calibrate_on_samples(m, o.calibration_windows, o.calibration_seed, o.calibration_temperature);
+  return triattn_runner::calibrate_on_samples(m, o.calibration_windows, o.calibration_seed, o.calibration_temperature);
 }
 
 void print_table(const std::vector<run_result>& results) {
@@ -245,9 +239,9 @@ int main(int argc, char** argv) {
   if (!fs::is_regular_file(o.model)) missing_file("model", o.model);
   if (!fs::is_regular_file(o.tokenizer)) missing_file("tokenizer", o.tokenizer);
   try {
-    const llama2c::model m = llama2c::model::load(o.model);
-    const llama2c::tokenizer tok = llama2c::tokenizer::load(o.tokenizer, m.config().vocab_size);
-    const llama2c::config& c = m.config();
+    const triattn_runner::model m = triattn_runner::model::load(o.model);
+    const triattn_runner::tokenizer tok = triattn_runner::tokenizer::load(o.tokenizer, m.config().vocab_size);
+    const triattn_runner::config& c = m.config();
     std::printf("triattn demo: %s (%d layers, %d query heads over %d KV heads, head_dim %d)\n",
                 o.model.stem().string().c_str(), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim);
     std::printf("greedy decoding from BOS, up to %d tokens; budget %lld tokens per (layer, KV head),\n"
@@ -257,15 +251,17 @@ int main(int argc, char** argv) {
 
     std::optional<triattn::query_stats> stats;
     if (std::any_of(o.policies.begin(), o.policies.end(),
-                    [](const std::string& n) { return llama2c::find_policy(n)->needs_stats; }))
+                    [](const std::string& n) { return triattn::find_policy(n)->needs.stats; }))
       stats = load_or_calibrate(m, tok, o);
     // Every policy on the demo's trigger (a round when the cache reaches budget + slack).
-    const llama2c::policy_inputs inputs{stats ? &*stats : nullptr, o.schedule()};
+    triattn::policy_inputs inputs;
+    inputs.stats = stats ? &*stats : nullptr;
+    inputs.sched = o.schedule();
 
     std::vector<run_result> results;
     for (const std::string& name : o.policies) {
       const run_result& r = results.emplace_back(run(m, tok, name, o, inputs));
-      std::printf("\n== %s: %s ==\n", name.c_str(), std::string(llama2c::find_policy(name)->summary).c_str());
+      std::printf("\n== %s: %s ==\n", name.c_str(), std::string(triattn::find_policy(name)->summary).c_str());
       demo::print_wrapped(r.text);
       std::printf("  %d tokens | peak KV %.1f KiB vs %.1f KiB full (%.1f%% saved) | %d rounds | mean KL %.5f | %.1f ms\n",
                   r.tokens, kib(r.peak_bytes), kib(r.full_bytes), saved_percent(r), r.rounds, r.mean_kl,

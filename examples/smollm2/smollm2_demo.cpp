@@ -22,12 +22,12 @@
 #include <string_view>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
 #include "demo/common.hpp"
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
-#include "llama2c/text_model.hpp"
+#include "runner/compressed_session.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
+#include "runner/runner.hpp"
+#include "runner/text_model.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/triattn.hpp"
 
@@ -42,7 +42,7 @@ namespace fs = std::filesystem;
 struct options {
   fs::path model = TRIATTN_SMOLLM2_GGUF;
   std::string question = "Explain step by step why the sky is blue.";
-  std::vector<std::string> policies;  // default: every roster policy that needs no statistics
+  std::vector<std::string> policies;  // default: every registry policy that needs no statistics
   std::int64_t budget = 128;
   std::int64_t slack = 32;
   int steps = 256;
@@ -89,9 +89,9 @@ options parse(int argc, char** argv) {
       for (std::size_t at = 0; at <= value.size();) {
         const std::size_t comma = std::min(value.find(',', at), value.size());
         const std::string name(value.substr(at, comma - at));
-        const llama2c::policy_entry* e = llama2c::find_policy(name);
+        const triattn::policy_entry* e = triattn::find_policy(name);
         if (e == nullptr || !e->compresses())
-          usage_error("unknown policy \"" + name + "\"; known: " + llama2c::policy_names(true));
+          usage_error("unknown policy \"" + name + "\"; known: " + triattn::policy_names(true));
         o.policies.push_back(name);
         at = comma + 1;
       }
@@ -113,8 +113,8 @@ options parse(int argc, char** argv) {
     }
   }
   if (o.policies.empty())
-    for (const llama2c::policy_entry& e : llama2c::policy_registry)
-      if (e.compresses() && (!e.needs_stats || !o.stats.empty())) o.policies.emplace_back(e.name);
+    for (const triattn::policy_entry& e : triattn::policy_registry)
+      if (e.compresses() && (!e.needs.stats || !o.stats.empty())) o.policies.emplace_back(e.name);
   return o;
 }
 
@@ -122,30 +122,19 @@ options parse(int argc, char** argv) {
 /// full-cache shadow that reads the same tokens.
 struct answer {
   std::string policy;  // "full" for the reference
-  llama2c::session cache;
-  std::optional<llama2c::any_policy> compressor;
-  std::optional<llama2c::policy_observer> feed;
-  std::optional<llama2c::session> shadow;
+  triattn_runner::compressed_session seq;
+  std::optional<triattn_runner::session> shadow;
   std::vector<int> tokens;  // the answer so far
   int next = -1;            // the token to feed at the next step (-1: the prompt's)
   bool done = false;
-  int rounds = 0;
-  std::int64_t peak_bytes = 0;
   double kl_sum = 0;
   double seconds_in_rounds = 0;
 
-  answer(std::string name, const llama2c::model& m, std::int64_t capacity, triattn::dtype type,
-         std::optional<llama2c::any_policy> p, std::int64_t shadow_capacity)
-      : policy(std::move(name)), cache(m, capacity, type), compressor(std::move(p)) {
-    if (compressor) {
-      compressor->attach(cache.view());
-      cache.set_observer(&feed.emplace(*compressor));
-      shadow.emplace(m, shadow_capacity, type);
-    }
+  answer(std::string name, const triattn_runner::model& m, std::int64_t capacity, triattn::dtype type,
+         std::optional<triattn::any_policy> p, std::int64_t budget, std::int64_t shadow_capacity)
+      : policy(std::move(name)), seq(m, capacity, std::move(p), budget, type) {
+    if (seq.policy()) shadow.emplace(m, shadow_capacity, type);
   }
-  // The session's observer points at `feed`, which refers to `compressor`: never moved.
-  answer(const answer&) = delete;
-  answer& operator=(const answer&) = delete;
 };
 
 std::size_t matching_prefix(const std::vector<int>& a, const std::vector<int>& b) {
@@ -161,11 +150,11 @@ int run(const options& o) {
     usage_error("model file not found: \"" + o.model.string() +
                 "\" (scripts/fetch_llama_cpp.sh fetches SmolLM2-135M-Instruct; pass --model)");
   const auto load_start = std::chrono::steady_clock::now();
-  const llama2c::model m = gguf_model::load(o.model);
+  const triattn_runner::model m = gguf_model::load(o.model);
   const ggml_bridge::vocab vocab(o.model);
-  const llama2c::config& c = m.config();
+  const triattn_runner::config& c = m.config();
   const std::vector<int> prompt =
-      vocab.tokenize(vocab.chat_prompt(o.question, llama2c::text_model::default_system_message), /*add_special=*/true, /*parse_special=*/true);
+      vocab.tokenize(vocab.chat_prompt(o.question, triattn_runner::text_model::default_system_message), /*add_special=*/true, /*parse_special=*/true);
   std::optional<triattn::query_stats> stats;
   if (!o.stats.empty()) stats = triattn::load_stats(o.stats);
   const triattn::schedule sched = triattn::schedule::with_slack(o.slack);
@@ -184,22 +173,24 @@ int run(const options& o) {
   std::printf("user: %s\n", o.question.c_str());
 
   std::deque<answer> answers;  // grows without moving its elements
-  answers.emplace_back(std::string(llama2c::full_name), m, full_capacity, o.cache, std::nullopt, 0);
+  answers.emplace_back(std::string(triattn::full_name), m, full_capacity, o.cache, std::nullopt, 0, 0);
   for (const std::string& name : o.policies) {
-    const llama2c::policy_inputs in{stats ? &*stats : nullptr, sched};
+    triattn::policy_inputs in;
+    in.stats = stats ? &*stats : nullptr;
+    in.sched = sched;
     answers.emplace_back(name, m, std::min(full_capacity, sched.peak_tokens(o.budget)), o.cache,
-                         llama2c::find_policy(name)->create(in), full_capacity);
+                         triattn::find_policy(name)->create(in), o.budget, full_capacity);
   }
 
-  llama2c::batch_decoder decoder(m);
+  triattn_runner::batch_decoder decoder(m);
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t t = 0; t < full_capacity; ++t) {
-    std::vector<llama2c::session*> batch;
+    std::vector<triattn_runner::session*> batch;
     std::vector<int> tokens;
     for (answer& a : answers) {
       if (a.done) continue;
       const int token = t < prompt_len ? prompt[static_cast<std::size_t>(t)] : a.next;
-      batch.push_back(&a.cache);
+      batch.push_back(&a.seq.cache());
       tokens.push_back(token);
       if (a.shadow) {
         batch.push_back(&*a.shadow);
@@ -214,18 +205,14 @@ int run(const options& o) {
       const std::span<const float> logits = decoder.logits(row++);
       if (a.shadow) {
         const std::span<const float> full = decoder.logits(row++);
-        if (t >= prompt_len - 1) a.kl_sum += llama2c::kl_divergence(full, logits);
+        if (t >= prompt_len - 1) a.kl_sum += triattn_runner::kl_divergence(full, logits);
       }
-      a.peak_bytes = std::max(a.peak_bytes, a.cache.kv_bytes());
-      if (a.compressor) {
-        const auto round_start = std::chrono::steady_clock::now();
-        if (triattn::maybe_compress(*a.compressor, a.cache.view(), o.budget,
-                                    triattn::round_context{a.cache.position(), prompt_len}))
-          ++a.rounds;
+      const auto round_start = std::chrono::steady_clock::now();
+      a.seq.maybe_compress(prompt_len);
+      if (a.seq.policy())
         a.seconds_in_rounds += std::chrono::duration<double>(std::chrono::steady_clock::now() - round_start).count();
-      }
       if (t < prompt_len - 1) continue;
-      a.next = llama2c::argmax(logits);
+      a.next = triattn_runner::argmax(logits);
       if (vocab.is_eog(a.next) || static_cast<int>(a.tokens.size()) == o.steps) {
         a.done = true;
       } else {
@@ -252,12 +239,13 @@ int run(const options& o) {
   std::printf("\n%-14s %6s %6s %12s %12s %7s %7s %9s %10s\n", "policy", "tokens", "same", "peak KV", "full KV", "saved",
               "rounds", "mean KL", "ms/round");
   for (const answer& a : answers) {
-    const std::int64_t full_bytes = a.shadow ? a.shadow->kv_bytes() : a.cache.kv_bytes();
-    const double scored = static_cast<double>(std::max<std::int64_t>(1, a.cache.position() - (prompt_len - 1)));
+    const std::int64_t full_bytes = a.shadow ? a.shadow->kv_bytes() : a.seq.cache().kv_bytes();
+    const double scored = static_cast<double>(std::max<std::int64_t>(1, a.seq.cache().position() - (prompt_len - 1)));
     std::printf("%-14s %6zu %6zu %8.1f KiB %8.1f KiB %6.1f%% %7d %9.5f %10.2f\n", a.policy.c_str(), a.tokens.size(),
-                matching_prefix(a.tokens, full.tokens), kib(a.peak_bytes), kib(full_bytes),
-                100.0 * (1.0 - static_cast<double>(a.peak_bytes) / static_cast<double>(full_bytes)), a.rounds,
-                a.compressor ? a.kl_sum / scored : 0.0, a.rounds > 0 ? 1e3 * a.seconds_in_rounds / a.rounds : 0.0);
+                matching_prefix(a.tokens, full.tokens), kib(a.seq.peak_bytes()), kib(full_bytes),
+                100.0 * (1.0 - static_cast<double>(a.seq.peak_bytes()) / static_cast<double>(full_bytes)),
+                a.seq.rounds(), a.seq.policy() ? a.kl_sum / scored : 0.0,
+                a.seq.rounds() > 0 ? 1e3 * a.seconds_in_rounds / a.seq.rounds() : 0.0);
   }
   std::printf("\n%zu sequences (each compressed answer has a full-cache shadow) in one batch: %.1f s\n",
               answers.size() * 2 - 1, seconds);

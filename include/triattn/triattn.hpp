@@ -31,3 +31,4 @@
 #include "triattn/policies/vatp.hpp"
 #include "triattn/policies/window_config.hpp"
 #include "triattn/policies/window_math.hpp"
+#include "triattn/registry.hpp"

@@ -4,9 +4,9 @@
 //   positions, within 1e-4;
 // - two runs (on 1 and on 2 threads) give byte-identical quality.csv files;
 // - the `--quick` smoke run writes a finite row for every policy x budget, the policies being
-//   those `triattn_eval --list-policies` names (the roster's, llama2c::policy_registry, in its
+//   those `triattn_eval --list-policies` names (the registry's, triattn::policy_registry, in its
 //   order, after `full` and the references).
-// The TriAttention stats come from llama2c::calibrate on 4 train windows (never the eval text).
+// The TriAttention stats come from triattn_runner::calibrate on 4 train windows (never the eval text).
 #include <catch2/catch.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,11 +28,11 @@
 #include <string>
 #include <vector>
 
-#include "llama2c/calibration.hpp"
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
+#include "runner/calibration.hpp"
+#include "runner/runner.hpp"
 #include "support/data.hpp"
 #include "triattn/calibration/stats_file.hpp"
+#include "triattn/registry.hpp"
 
 namespace {
 
@@ -71,10 +71,10 @@ fs::path valid_text() { return triattn_test::data_dir() / "data/tinystories_vali
 const fs::path& stats_file() {
   static const scratch dir;  // lives until the end of the test program
   static const fs::path path = [] {
-    const auto m = llama2c::model::load(model_path());
-    const auto tok = llama2c::tokenizer::load(tokenizer_path(), m.config().vocab_size);
-    const auto stats = llama2c::calibrate(
-        m, tok, llama2c::read_file(triattn_test::data_dir() / "data/tinystories_train_head.txt"), 4);
+    const auto m = triattn_runner::model::load(model_path());
+    const auto tok = triattn_runner::tokenizer::load(tokenizer_path(), m.config().vocab_size);
+    const auto stats = triattn_runner::calibrate(
+        m, tok, triattn_runner::read_file(triattn_test::data_dir() / "data/tinystories_train_head.txt"), 4);
     const fs::path p = dir.path / "stats.safetensors";
     triattn::save_stats(p, stats);
     return p;
@@ -264,9 +264,9 @@ TEST_CASE("triattn_eval: full-cache NLL equals an independent double forward pas
   const auto rows = read_csv(out / "quality.csv");
   REQUIRE(rows.size() == 2);
 
-  const auto m = llama2c::model::load(model_path());
-  const auto tok = llama2c::tokenizer::load(tokenizer_path(), m.config().vocab_size);
-  const auto ws = llama2c::text_windows(tok, llama2c::read_file(valid_text()), m.config().seq_len, windows);
+  const auto m = triattn_runner::model::load(model_path());
+  const auto tok = triattn_runner::tokenizer::load(tokenizer_path(), m.config().vocab_size);
+  const auto ws = triattn_runner::text_windows(tok, triattn_runner::read_file(valid_text()), m.config().seq_len, windows);
   REQUIRE(ws.size() == static_cast<std::size_t>(windows));
   const naive_model naive(model_path());
   std::vector<std::vector<std::vector<double>>> lp;
@@ -308,9 +308,9 @@ TEST_CASE("triattn_eval --quick: a finite row for every policy x budget") {
   REQUIRE(run_eval(dir, dir.path / "q", "--quick") == 0);
   const auto rows = read_csv(dir.path / "q/quality.csv");
   const std::vector<std::string> policies = listed_policies(dir);
-  // The program's list: `full`, the references, then the roster's policies in its order, then variants.
-  std::vector<std::string> expected_start{std::string(llama2c::full_name), "random", "window"};
-  for (const llama2c::policy_entry& e : llama2c::policy_registry)
+  // The program's list: `full`, the references, then the registry's policies in its order, then variants.
+  std::vector<std::string> expected_start{std::string(triattn::full_name), "random", "window"};
+  for (const triattn::policy_entry& e : triattn::policy_registry)
     if (e.compresses()) expected_start.emplace_back(e.name);
   REQUIRE(policies.size() > expected_start.size());
   CHECK(std::vector<std::string>(policies.begin(), policies.begin() + static_cast<std::ptrdiff_t>(expected_start.size())) ==

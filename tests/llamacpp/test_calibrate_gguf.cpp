@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "llama2c/calibration.hpp"
-#include "llama2c/text_model.hpp"
+#include "runner/calibration.hpp"
+#include "runner/text_model.hpp"
 #include "tools/cli.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
@@ -45,11 +45,11 @@ TEST_CASE("calibrate --model M.gguf: SmolLM2's statistics, the same as in-proces
   CHECK(got.info.at("num_traces") == "3");
   CHECK(got.info.at("num_tokens") == "192");
 
-  const llama2c::text_model m = llama2c::text_model::load(gguf_path, "");
+  const triattn_runner::text_model m = triattn_runner::text_model::load(gguf_path, "");
   const auto windows =
-      llama2c::text_windows([&](std::string_view p) { return m.encode_paragraph(p); }, text, 64, 3);
+      triattn_runner::text_windows([&](std::string_view p) { return m.encode_paragraph(p); }, text, 64, 3);
   REQUIRE(windows.size() == 3);
-  const triattn::query_stats want = llama2c::calibrate(m.model(), windows);
+  const triattn::query_stats want = triattn_runner::calibrate(m.model(), windows);
   CHECK(got.q_mean_real == want.q_mean_real);
   CHECK(got.q_mean_imag == want.q_mean_imag);
   CHECK(got.q_abs_mean == want.q_abs_mean);

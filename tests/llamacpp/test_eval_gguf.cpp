@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
+#include "runner/runner.hpp"
 #include "tools/cli.hpp"
 #include "triattn/io/npy.hpp"
 #include "triattn/policies/streaming_llm.hpp"
@@ -63,11 +63,11 @@ TEST_CASE("logits are the runner's, teacher-forced, with and without compression
   const std::int64_t shape[] = {n};
   io::write_npy(tokens, io::element_kind::i32, shape, ids32.data());
 
-  const llama2c::model m = gguf_model::load(gguf_path);
+  const triattn_runner::model m = gguf_model::load(gguf_path);
   const auto V = static_cast<std::size_t>(m.config().vocab_size);
   std::vector<float> full;
   {
-    llama2c::session s(m, n);
+    triattn_runner::session s(m, n);
     for (const int t : ids) {
       const auto l = s.forward(t);
       full.insert(full.end(), l.begin(), l.end());
@@ -90,7 +90,7 @@ TEST_CASE("logits are the runner's, teacher-forced, with and without compression
   std::vector<float> want;
   {
     triattn::streaming_llm p({.round = {.sched = triattn::schedule::with_slack(4)}});
-    llama2c::session s(m, 12);
+    triattn_runner::session s(m, 12);
     for (const int t : ids) {
       const auto l = s.forward(t);
       want.insert(want.end(), l.begin(), l.end());

@@ -1,4 +1,4 @@
-// examples/gguf/ggml_bridge.hpp against the real SmolLM2-135M-Instruct GGUF (Q4_1): metadata,
+// runner/ggml_bridge.hpp against the real SmolLM2-135M-Instruct GGUF (Q4_1): metadata,
 // tensor directory and dequantisation, llama.cpp's tokenizer and chat template, llama.cpp's
 // own logits, and the errors for a missing or truncated file.
 #include <catch2/catch.hpp>
@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
 #include "triattn/core/error.hpp"
 
 namespace {

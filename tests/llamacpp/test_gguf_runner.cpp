@@ -1,4 +1,4 @@
-// The examples' runner on SmolLM2-135M-Instruct (gguf/gguf_model.hpp) against llama.cpp's own
+// The runner on SmolLM2-135M-Instruct (runner/gguf_model.hpp) against llama.cpp's own
 // forward pass over the same GGUF and the same tokens: the config read from the metadata,
 // and teacher-forced parity over 1,024 tokens of English text (next-token argmax agreement
 // and KL(llama.cpp || runner)), decoded as a batch of two windows.
@@ -14,22 +14,22 @@
 #include <string>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
+#include "runner/runner.hpp"
 #include "support/data.hpp"
 
 namespace {
 
 const std::filesystem::path gguf_path = TRIATTN_SMOLLM2_GGUF;
 
-const llama2c::model& smollm2() {
-  static const llama2c::model m = gguf_model::load(gguf_path);
+const triattn_runner::model& smollm2() {
+  static const triattn_runner::model m = gguf_model::load(gguf_path);
   return m;
 }
 
 TEST_CASE("the runner's config comes from SmolLM2's GGUF metadata", "[gguf]") {
-  const llama2c::config& c = smollm2().config();
+  const triattn_runner::config& c = smollm2().config();
   CHECK(c.n_layers == 30);
   CHECK(c.dim == 576);
   CHECK(c.hidden_dim == 1536);
@@ -46,21 +46,21 @@ TEST_CASE("the runner's config comes from SmolLM2's GGUF metadata", "[gguf]") {
 
 TEST_CASE("teacher-forced, the runner agrees with llama.cpp on 1,024 tokens", "[gguf][parity]") {
   REQUIRE(triattn_test::data_available());
-  const std::string text = llama2c::read_file(triattn_test::data_dir() / "data" / "tinystories_valid_head.txt");
+  const std::string text = triattn_runner::read_file(triattn_test::data_dir() / "data" / "tinystories_valid_head.txt");
   const ggml_bridge::vocab vocab(gguf_path);
   const std::vector<int> ids = vocab.tokenize(text, false, false);
   constexpr std::size_t windows = 2, window = 512;
   REQUIRE(ids.size() >= windows * window);
 
   // Both windows decoded together by the runner; llama.cpp decodes each on its own.
-  const llama2c::model& m = smollm2();
+  const triattn_runner::model& m = smollm2();
   const auto V = static_cast<std::size_t>(m.config().vocab_size);
-  std::vector<llama2c::session> sessions;
-  std::vector<llama2c::session*> batch;
+  std::vector<triattn_runner::session> sessions;
+  std::vector<triattn_runner::session*> batch;
   for (std::size_t w = 0; w < windows; ++w) sessions.emplace_back(m, window);
   for (auto& s : sessions) batch.push_back(&s);
   std::vector<std::vector<float>> ours(windows, std::vector<float>(window * V));
-  llama2c::batch_decoder decoder(m);
+  triattn_runner::batch_decoder decoder(m);
   for (std::size_t t = 0; t < window; ++t) {
     std::vector<int> tokens;
     for (std::size_t w = 0; w < windows; ++w) tokens.push_back(ids[w * window + t]);
@@ -85,8 +85,8 @@ TEST_CASE("teacher-forced, the runner agrees with llama.cpp on 1,024 tokens", "[
     REQUIRE(theirs.size() == window * V);
     for (std::size_t t = 0; t < window; ++t) {
       const std::span<const float> a(theirs.data() + t * V, V), b(ours[w].data() + t * V, V);
-      kl += llama2c::kl_divergence(a, b);
-      agree += llama2c::argmax(a) == llama2c::argmax(b);
+      kl += triattn_runner::kl_divergence(a, b);
+      agree += triattn_runner::argmax(a) == triattn_runner::argmax(b);
       if (t + 1 < window) {
         nll_theirs += nll(a, ids[w * window + t + 1]);
         nll_ours += nll(b, ids[w * window + t + 1]);
@@ -115,15 +115,15 @@ TEST_CASE("greedy chat answers: where the runner and llama.cpp first diverge, an
                         "You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
       true, true);
   constexpr int answer_tokens = 192;
-  const llama2c::model& m = smollm2();
-  llama2c::session s(m, static_cast<std::int64_t>(prompt.size()) + answer_tokens);
+  const triattn_runner::model& m = smollm2();
+  triattn_runner::session s(m, static_cast<std::int64_t>(prompt.size()) + answer_tokens);
   std::vector<int> sequence = prompt;
   std::vector<std::vector<float>> ours;  // logits predicting each answer token
   std::span<const float> logits;
   for (const int t : prompt) logits = s.forward(t);
   for (int i = 0; i < answer_tokens; ++i) {
     ours.emplace_back(logits.begin(), logits.end());
-    const int next = llama2c::argmax(logits);
+    const int next = triattn_runner::argmax(logits);
     if (vocab.is_eog(next)) break;
     sequence.push_back(next);
     logits = s.forward(next);
@@ -138,12 +138,12 @@ TEST_CASE("greedy chat answers: where the runner and llama.cpp first diverge, an
   std::size_t diverge = ours.size();
   for (std::size_t i = 0; i < ours.size(); ++i) {
     const std::span<const float> a(theirs.data() + (prompt.size() - 1 + i) * V, V);
-    if (llama2c::argmax(a) != llama2c::argmax(ours[i])) {
+    if (triattn_runner::argmax(a) != triattn_runner::argmax(ours[i])) {
       diverge = i;
       std::printf("greedy answers diverge at answer token %zu of %zu: runner %d (%s, margin %.4f), llama.cpp %d "
                   "(%s, margin %.4f)\n",
-                  i, ours.size(), llama2c::argmax(ours[i]), vocab.piece(llama2c::argmax(ours[i])).c_str(),
-                  margin(ours[i]), llama2c::argmax(a), vocab.piece(llama2c::argmax(a)).c_str(), margin(a));
+                  i, ours.size(), triattn_runner::argmax(ours[i]), vocab.piece(triattn_runner::argmax(ours[i])).c_str(),
+                  margin(ours[i]), triattn_runner::argmax(a), vocab.piece(triattn_runner::argmax(a)).c_str(), margin(a));
       break;
     }
   }

@@ -1,4 +1,4 @@
-// triattn inside llama.cpp (examples/llamacpp): the program `triattn_llamacpp` run as users run
+// triattn inside llama.cpp (tools/triattn_llamacpp.cpp, runner/triattn_llama.hpp): the program `triattn_llamacpp` run as users run
 // it, on SmolLM2-135M-Instruct, and the adapter's refusals in-process.
 // - With a budget above the answer no round runs and every logit equals the full cache's
 //   (KL exactly 0): the lockstep comparison itself adds nothing.
@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "llama2c/policies.hpp"
-#include "llamacpp/triattn_llama.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/triattn_llama.hpp"
 #include "tools/cli.hpp"
+#include "triattn/registry.hpp"
 
 namespace {
 
@@ -161,9 +161,9 @@ TEST_CASE("the adapter refuses what llama.cpp's cells cannot hold", "[llamacpp]"
   o.budget = 128;
   o.capacity = 256;
   // A keep set per layer would leave a cell half evicted.
-  using adapter = triattn_llama::adapter<llama2c::any_policy>;
+  using adapter = triattn_llama::adapter<triattn::any_policy>;
   try {
-    adapter a(model.get(), llama2c::any_policy(triattn::streaming_llm{}), o);
+    adapter a(model.get(), triattn::any_policy(triattn::streaming_llm{}), o);
     FAIL("a per-layer policy was accepted");
   } catch (const triattn::error& e) {
     CHECK_THAT(e.what(), Catch::Contains("triattn_llama::adapter") && Catch::Contains("per_layer") &&
@@ -173,7 +173,7 @@ TEST_CASE("the adapter refuses what llama.cpp's cells cannot hold", "[llamacpp]"
   c.round.grain = triattn::granularity::whole_sequence;
   o.capacity = 128;
   try {
-    adapter a(model.get(), llama2c::any_policy(triattn::streaming_llm(c)), o);
+    adapter a(model.get(), triattn::any_policy(triattn::streaming_llm(c)), o);
     FAIL("a mirror no larger than the budget was accepted");
   } catch (const triattn::error& e) {
     CHECK_THAT(e.what(), Catch::Contains("capacity 128"));

@@ -8,7 +8,7 @@
 // - `passkey`: the prompt holds the key at the asked depth, the full cache finds it, the
 //   accuracy table agrees with the per-sample answers, and every answer (full cache, H2O and
 //   SnapKV at two budgets, two samples in one batch) is that of the sequence decoded alone;
-// - `triattn calibrate --prompts`: the same statistics as llama2c::calibrate_on_answers.
+// - `triattn calibrate --prompts`: the same statistics as triattn_runner::calibrate_on_answers.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "long_context.hpp"
-#include "llama2c/calibration.hpp"
-#include "llama2c/policies.hpp"
-#include "llama2c/text_model.hpp"
+#include "runner/calibration.hpp"
+#include "runner/compressed_session.hpp"
+#include "runner/text_model.hpp"
 #include "tools/cli.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
@@ -74,12 +74,19 @@ double log_sum_exp(std::span<const float> z) {
   return m + std::log(s);
 }
 
+/// A registry policy's inputs: no statistics, the rounds on `sched`.
+triattn::policy_inputs on_schedule(triattn::schedule sched) {
+  triattn::policy_inputs in;
+  in.sched = sched;
+  return in;
+}
+
 /// One compressed sequence of the oracle: its session, its policy and the policy's feed.
 struct oracle_sequence {
-  llama2c::session session;
-  llama2c::any_policy policy;
-  llama2c::policy_observer feed;
-  oracle_sequence(const llama2c::model& m, std::int64_t capacity, llama2c::any_policy p)
+  triattn_runner::session session;
+  triattn::any_policy policy;
+  triattn_runner::policy_observer feed;
+  oracle_sequence(const triattn_runner::model& m, std::int64_t capacity, triattn::any_policy p)
       : session(m, capacity), policy(std::move(p)), feed(policy) {
     policy.attach(session.view());
     session.set_observer(&feed);
@@ -119,9 +126,9 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
   // The oracle, per policy and budget: the sampled reference, a teacher-forced and a
   // free-running compressed sequence, each decoding its own tokens from the first one through
   // its own cache (no trunk). They step together through a batch_decoder only for speed: a
-  // sequence's logits are the same bits alone or in a batch (test_llama2c).
-  const llama2c::text_model tm = llama2c::text_model::load(gguf_path, "");
-  const llama2c::model& m = tm.model();
+  // sequence's logits are the same bits alone or in a batch (tests/runner/test_model.cpp).
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(gguf_path, "");
+  const triattn_runner::model& m = tm.model();
   const std::vector<std::uint8_t> allowed = tm.non_ending_tokens();
   std::map<std::int64_t, double> full_nll_mean;  // budget -> mean over prompts of the full cache's NLL
   for (std::size_t prompt_index = 0; prompt_index < prompts.size(); ++prompt_index) {
@@ -133,30 +140,30 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
       std::string name;
       std::int64_t budget;
       oracle_sequence forced, free_run;
-      llama2c::answer_sampler own;
+      triattn_runner::answer_sampler own;
       double kl = 0, top1 = 0, nll = 0, full_nll = 0;
       std::int64_t n = 0, prefix = -1;
       int free_token;
       bool forced_compressed = false;
-      config_run(const llama2c::model& m, const std::string& policy, std::int64_t b, std::int64_t capacity,
+      config_run(const triattn_runner::model& m, const std::string& policy, std::int64_t b, std::int64_t capacity,
                  const triattn::schedule& sched, std::span<const std::uint8_t> allowed, int first)
           : name(policy),
             budget(b),
-            forced(m, capacity, *llama2c::find_policy(policy)->create({nullptr, sched})),
-            free_run(m, capacity, *llama2c::find_policy(policy)->create({nullptr, sched})),
+            forced(m, capacity, *triattn::find_policy(policy)->create(on_schedule(sched))),
+            free_run(m, capacity, *triattn::find_policy(policy)->create(on_schedule(sched))),
             own(0.7, 1.2f, 128, allowed),  // the defaults
             free_token(first) {}
     };
     std::deque<config_run> runs;
     for (const std::string& name : policies)
       for (const std::int64_t budget : budgets) runs.emplace_back(m, name, budget, budget + slack, sched, allowed, p[0]);
-    llama2c::session full(m, P + tokens);
-    llama2c::batch_decoder decoder(m);
-    std::mt19937_64 rng = llama2c::window_rng(1, prompt_index);        // seed 1 (the default)
-    llama2c::answer_sampler reference(0.7, 1.2f, 128, allowed);        // the defaults
+    triattn_runner::session full(m, P + tokens);
+    triattn_runner::batch_decoder decoder(m);
+    std::mt19937_64 rng = triattn_runner::window_rng(1, prompt_index);        // seed 1 (the default)
+    triattn_runner::answer_sampler reference(0.7, 1.2f, 128, allowed);        // the defaults
     int ref_token = p[0];
     for (std::int64_t t = 0; t + 1 < P + tokens; ++t) {
-      std::vector<llama2c::session*> batch{&full};
+      std::vector<triattn_runner::session*> batch{&full};
       std::vector<int> in{ref_token};
       for (config_run& c : runs) {
         batch.push_back(&c.forced.session);
@@ -177,7 +184,7 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
       if (t + 1 < P) {
         next = p[static_cast<std::size_t>(t + 1)];
       } else {
-        u = llama2c::uniform_draw(rng);
+        u = triattn_runner::uniform_draw(rng);
         next = reference.draw(ref_logits, u);
         reference.push(next);
       }
@@ -200,7 +207,7 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
           for (std::size_t i = 0; i < ref_logits.size(); ++i)
             kl += std::exp(ref_logits[i] - lp) * ((ref_logits[i] - lp) - (forced_logits[i] - lq));
           c.kl += kl;
-          c.top1 += llama2c::argmax(ref_logits) == llama2c::argmax(forced_logits) ? 1 : 0;
+          c.top1 += triattn_runner::argmax(ref_logits) == triattn_runner::argmax(forced_logits) ? 1 : 0;
           c.nll += lq - forced_logits[static_cast<std::size_t>(next)];
           c.full_nll += lp - ref_logits[static_cast<std::size_t>(next)];
           ++c.n;
@@ -284,8 +291,8 @@ TEST_CASE("triattn_eval passkey: every answer is an independent sequential compu
 
   // The oracle: every sequence decoding through its own cache with a round that cuts it to the
   // budget after every chunk (no trunk); stepped together only for speed.
-  const llama2c::text_model tm = llama2c::text_model::load(gguf_path, "");
-  const llama2c::model& m = tm.model();
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(gguf_path, "");
+  const triattn_runner::model& m = tm.model();
   struct oracle_row {
     std::string name;  // "full" or the policy
     double fraction = 1.0, depth = 0.0;
@@ -293,11 +300,11 @@ TEST_CASE("triattn_eval passkey: every answer is an independent sequential compu
     const triattn_eval::passkey_sample* sample = nullptr;
     std::vector<int> prompt, answer;
     std::optional<oracle_sequence> seq;
-    std::optional<llama2c::session> full;
+    std::optional<triattn_runner::session> full;
     oracle_row(std::string n, double f, double d, std::int64_t b, const triattn_eval::passkey_sample* s,
                std::vector<int> p)
         : name(std::move(n)), fraction(f), depth(d), budget(b), sample(s), prompt(std::move(p)) {}
-    llama2c::session& session() { return seq ? seq->session : *full; }
+    triattn_runner::session& session() { return seq ? seq->session : *full; }
   };
   std::deque<triattn_eval::passkey_sample> keys;
   std::deque<oracle_row> rows;
@@ -311,12 +318,12 @@ TEST_CASE("triattn_eval passkey: every answer is an independent sequential compu
     for (const std::string& name : policies)
       for (const double fr : fractions) {
         oracle_row& x = rows.emplace_back(name, fr, depth, std::llround(fr * static_cast<double>(context)), &s, prompt);
-        x.seq.emplace(m, length, *llama2c::find_policy(name)->create({nullptr, triattn::schedule::every_step()}));
+        x.seq.emplace(m, length, *triattn::find_policy(name)->create(on_schedule(triattn::schedule::every_step())));
       }
   }
-  llama2c::batch_decoder decoder(m);
+  triattn_runner::batch_decoder decoder(m);
   for (std::size_t t = 0;; ++t) {
-    std::vector<llama2c::session*> batch;
+    std::vector<triattn_runner::session*> batch;
     std::vector<int> in;
     std::vector<oracle_row*> who;
     for (oracle_row& x : rows)
@@ -329,10 +336,10 @@ TEST_CASE("triattn_eval passkey: every answer is an independent sequential compu
     decoder.step(batch, in);
     for (std::size_t k = 0; k < who.size(); ++k) {
       oracle_row& x = *who[k];
-      if (t + 1 >= x.prompt.size()) x.answer.push_back(llama2c::argmax(decoder.logits(static_cast<int>(k))));
+      if (t + 1 >= x.prompt.size()) x.answer.push_back(triattn_runner::argmax(decoder.logits(static_cast<int>(k))));
       const std::size_t prefill = x.sample->prefill.size();
       if (x.seq && t + 1 <= prefill && ((t + 1) % chunk == 0 || t + 1 == prefill)) {
-        llama2c::session& se = x.session();
+        triattn_runner::session& se = x.session();
         bool over = false;
         for (int l = 0; l < m.config().n_layers; ++l)
           for (int h = 0; h < m.config().n_kv_heads; ++h) over |= se.length(l, h) > x.budget;
@@ -369,11 +376,11 @@ TEST_CASE("calibrate --prompts: the statistics of the model's own answers, as in
                           cli::shell_quote(out.string()) + " 2>/dev/null";
   REQUIRE(triattn_test::system_status(cmd) == 0);
   const triattn::query_stats got = triattn::load_stats(out);
-  const llama2c::text_model tm = llama2c::text_model::load(gguf_path, "");
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(gguf_path, "");
   const std::vector<std::vector<int>> prompts{tm.chat("Explain why the sky is blue."), tm.chat("Write a poem about rain.")};
   const int length = static_cast<int>(std::max(prompts[0].size(), prompts[1].size())) + 16;
   const triattn::query_stats want =
-      llama2c::calibrate_on_answers(tm.model(), prompts, length, 3, 0.7, tm.non_ending_tokens(), {}, 1.2f, 128);
+      triattn_runner::calibrate_on_answers(tm.model(), prompts, length, 3, 0.7, tm.non_ending_tokens(), {}, 1.2f, 128);
   CHECK(got.info.at("num_traces") == "2");
   CHECK(got.q_mean_real == want.q_mean_real);
   CHECK(got.q_mean_imag == want.q_mean_imag);

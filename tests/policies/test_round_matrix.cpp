@@ -21,6 +21,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "support/baselines_reference.hpp"
@@ -40,6 +41,7 @@
 #include "triattn/policies/streaming_llm.hpp"
 #include "triattn/policies/triattention.hpp"
 #include "triattn/policies/vatp.hpp"
+#include "triattn/registry.hpp"
 
 namespace {
 
@@ -175,10 +177,23 @@ test_cache relayout(test_cache& src, cache_layout layout, int page_size, std::mt
 // --- the matrix's axes ---------------------------------------------------------------------
 
 enum class policy_kind { streaming_llm, h2o, vatp, snapkv, rkv, triattention };
-const char* policy_name(policy_kind p) {
-  constexpr const char* names[] = {"streaming_llm", "h2o", "vatp", "snapkv", "rkv", "triattention"};
-  return names[static_cast<int>(p)];
+constexpr const char* policy_names[] = {"streaming_llm", "h2o", "vatp", "snapkv", "rkv", "triattention"};
+const char* policy_name(policy_kind p) { return policy_names[static_cast<int>(p)]; }
+
+// Each policy has its own random configuration and oracle here, so the matrix lists them; the
+// compiler holds the list to the registry's.
+constexpr bool matrix_covers_registry() {
+  std::size_t compressing = 0;
+  for (const triattn::policy_entry& e : triattn::policy_registry) {
+    if (!e.compresses()) continue;
+    ++compressing;
+    bool found = false;
+    for (const std::string_view n : policy_names) found = found || n == e.name;
+    if (!found) return false;
+  }
+  return compressing == std::size(policy_names);
 }
+static_assert(matrix_covers_registry(), "the round matrix needs a case for every policy of triattn::policy_registry");
 enum class view_kind { dense_nhd, dense_hnd, paged, own };
 const char* view_name(view_kind v) {
   constexpr const char* names[] = {"dense NHD", "dense HND", "paged", "own interleaved view"};

@@ -1,6 +1,6 @@
 // `triattn calibrate` on the stories260K model and TinyStories text, against E[q_f] and E|q_f|
 // recomputed here in double precision from the model's own queries: the same windows
-// (llama2c::text_windows, one window of the model's 512-token context per trace), each
+// (triattn_runner::text_windows, one window of the model's 512-token context per trace), each
 // post-RoPE query un-rotated by a complex rotation written here (interleaved pairs (2f, 2f+1),
 // theta 10000; not the library's RoPE or accumulator), per-window means, then the mean over
 // windows. Also: the file's metadata, an exact save/load round trip, progress on stderr, and
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "cli.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/runner.hpp"
 #include "support/data.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
@@ -34,7 +34,7 @@ using triattn_test::cli::scratch_dir;
 constexpr int windows = 3;
 
 /// Per (layer, q-head, band): Σ z_f and Σ |z_f| of the un-rotated queries of one window.
-struct query_sums final : llama2c::observer {
+struct query_sums final : triattn_runner::observer {
   query_sums(int num_layers, int num_heads, int head_dim)
       : heads(num_heads),
         bands(head_dim / 2),
@@ -101,11 +101,11 @@ TEST_CASE("triattn calibrate matches E[q_f] and E|q_f| recomputed in double", "[
   const triattn::query_stats s = triattn::load_stats(out);
 
   // --- the same computation, here -----------------------------------------------------------
-  const llama2c::model model = llama2c::model::load(model_path);
-  const llama2c::config& cfg = model.config();
-  const llama2c::tokenizer tok = llama2c::tokenizer::load(tok_path, cfg.vocab_size);
+  const triattn_runner::model model = triattn_runner::model::load(model_path);
+  const triattn_runner::config& cfg = model.config();
+  const triattn_runner::tokenizer tok = triattn_runner::tokenizer::load(tok_path, cfg.vocab_size);
   const std::string text = triattn_test::cli::read_text(text_path);
-  const auto ws = llama2c::text_windows(tok, text, cfg.seq_len, windows);
+  const auto ws = triattn_runner::text_windows(tok, text, cfg.seq_len, windows);
   REQUIRE(cfg.seq_len == 512);
   REQUIRE(ws.size() == static_cast<std::size_t>(windows));
 
@@ -127,7 +127,7 @@ TEST_CASE("triattn calibrate matches E[q_f] and E|q_f| recomputed in double", "[
   CHECK(s.info.at("num_traces") == std::to_string(windows));
   CHECK(s.info.at("num_tokens") == std::to_string(windows * cfg.seq_len));
 
-  llama2c::session session(model, cfg.seq_len);
+  triattn_runner::session session(model, cfg.seq_len);
   query_sums sums(cfg.n_layers, cfg.n_heads, cfg.head_dim);
   session.set_observer(&sums);
   const std::size_t n = sums.sum.size();

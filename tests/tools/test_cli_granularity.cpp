@@ -1,4 +1,4 @@
-// `triattn select P --granularity G` for every policy P of the roster (llama2c::policy_registry)
+// `triattn select P --granularity G` for every policy P of the registry (triattn::policy_registry)
 // and every G of shared/spec/cli.md, run as users run it, on fresh random inputs:
 //
 // - shape: per_layer int64 [L, Hkv, k], per_kv_head [Hkv, k], union [k], k = min(B, N); rows
@@ -17,7 +17,7 @@
 // - streaming_llm (select only): the first S slots and the last B − S, exactly, S = --sinks
 //   (default 4) capped at B, at every granularity;
 // - errors keep cli.md's form (exit 2, one line naming the option or file, nothing written): a
-//   bad --granularity, `score streaming_llm`, an unknown policy (the message lists the roster),
+//   bad --granularity, `score streaming_llm`, an unknown policy (the message lists the registry),
 //   shared keep sets over rows that hold different positions.
 #include <catch2/catch.hpp>
 
@@ -32,11 +32,11 @@
 
 #include "cli.hpp"
 #include "keep_check.hpp"
-#include "llama2c/policies.hpp"
 #include "support/random.hpp"
 #include "support/triattention_reference.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/io/npy.hpp"
+#include "triattn/registry.hpp"
 
 namespace {
 
@@ -55,10 +55,10 @@ constexpr double inf = std::numeric_limits<double>::infinity();
 
 const std::vector<std::string> granularities = {"per_layer", "per_kv_head", "union"};
 
-/// The compressing policies of the roster: what `triattn select` must offer.
-std::vector<std::string> roster_policies() {
+/// The compressing policies of the registry: what `triattn select` must offer.
+std::vector<std::string> registry_policies() {
   std::vector<std::string> out;
-  for (const std::string_view n : llama2c::policy_name_list(true)) out.emplace_back(n);
+  for (const std::string_view n : triattn::policy_name_list(true)) out.emplace_back(n);
   return out;
 }
 
@@ -257,13 +257,13 @@ void check_select(const inputs& in, const std::string& policy, const std::string
 
 }  // namespace
 
-TEST_CASE("select: every roster policy at every granularity, shape and content", "[cli][granularity]") {
+TEST_CASE("select: every registry policy at every granularity, shape and content", "[cli][granularity]") {
   auto g = triattn_test::rng(31);
   for (int trial = 0; trial < 2; ++trial) {
     const inputs in(g, std::uniform_int_distribution<std::int64_t>(20, 40)(g));
     const std::vector<std::int64_t> budgets = {1, 5, std::uniform_int_distribution<std::int64_t>(7, in.n - 2)(g),
                                                in.n - 1, in.n, in.n + 3};
-    for (const std::string& policy : roster_policies())
+    for (const std::string& policy : registry_policies())
       for (const std::string& grain : granularities)
         for (const std::int64_t b : budgets) check_select(in, policy, grain, b);
   }
@@ -280,7 +280,7 @@ TEST_CASE("select without --granularity: the policy's default, unchanged", "[cli
   auto g = triattn_test::rng(33);
   const inputs in(g, 25);
   const std::int64_t b = 9;
-  for (const std::string& policy : roster_policies()) {
+  for (const std::string& policy : registry_policies()) {
     INFO(policy);
     const std::vector<std::string> budget = {"--budget", std::to_string(b)};
     std::vector<std::string> explicit_default = budget;
@@ -316,21 +316,21 @@ TEST_CASE("select streaming_llm: the first S slots and the last B - S", "[cli][g
       }
 }
 
-TEST_CASE("granularity and roster errors keep cli.md's form", "[cli][granularity][errors]") {
+TEST_CASE("granularity and registry errors keep cli.md's form", "[cli][granularity][errors]") {
   auto g = triattn_test::rng(35);
   const inputs in(g, 16);
   const std::vector<std::string> budget = {"--budget", "5"};
-  for (const std::string& policy : roster_policies()) {
+  for (const std::string& policy : registry_policies()) {
     INFO(policy);
     std::vector<std::string> bad = budget;
     bad.insert(bad.end(), {"--granularity", "per_token"});
     in.refused(in.command("select", policy, bad), {"--granularity", "per_token"});
   }
   in.refused(in.command("score", std::string(triattn::streaming_llm::name), {}), {"streaming_llm"});
-  // Unknown names, `full` among them (it compresses nothing): the message lists the roster.
+  // Unknown names, `full` among them (it compresses nothing): the message lists the registry.
   for (const std::string name : {"h3o", "full"}) {
     std::vector<std::string> needles = {name};
-    for (const std::string& p : roster_policies()) needles.push_back(p);
+    for (const std::string& p : registry_policies()) needles.push_back(p);
     in.refused(in.command("select", name, budget), needles);
   }
   in.refused({"select", std::string(triattn::streaming_llm::name), "--keys", in.keys, "--budget", "5", "--sinks", "-1",
@@ -355,10 +355,10 @@ TEST_CASE("granularity and roster errors keep cli.md's form", "[cli][granularity
   }
 }
 
-TEST_CASE("the usage text lists the roster", "[cli][granularity]") {
+TEST_CASE("the usage text lists the registry", "[cli][granularity]") {
   const scratch_dir dir("cli_usage");
   const auto r = run_cli(dir, {"--help"});
   REQUIRE(r.code == 0);
-  CHECK(r.out.find("policies: " + llama2c::policy_names(true)) != std::string::npos);
+  CHECK(r.out.find("policies: " + triattn::policy_names(true)) != std::string::npos);
   CHECK(r.out.find("--granularity") != std::string::npos);
 }

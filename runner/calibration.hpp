@@ -1,4 +1,4 @@
-/// \file llama2c/calibration.hpp
+/// \file runner/calibration.hpp
 /// \brief TriAttention calibration of a llama2.c model: run windows of tokens through a session
 /// and accumulate the query statistics, on given text (`triattn calibrate`) or on text the
 /// model samples itself (the demo, which ships no text).
@@ -15,11 +15,11 @@
 #include <thread>
 #include <vector>
 
-#include "llama2c/llama2c.hpp"
+#include "runner/runner.hpp"
 #include "triattn/calibration/accumulator.hpp"
 #include "triattn/calibration/query_stats.hpp"
 
-namespace llama2c {
+namespace triattn_runner {
 
 /// `progress(done, total)`: called after each calibration window.
 using calibration_progress = std::function<void(std::size_t, std::size_t)>;
@@ -56,7 +56,7 @@ inline double uniform_draw(std::mt19937_64& rng) { return static_cast<double>(rn
 /// finite and > 0.
 inline int sample_token(std::span<const float> logits, double temperature, double u,
                         std::span<const std::uint8_t> allowed = {}) {
-  const char* api = "llama2c::sample_token";
+  const char* api = "triattn_runner::sample_token";
   TRIATTN_CHECK(!logits.empty(), api, "no logits");
   TRIATTN_CHECK(temperature > 0.0 && std::isfinite(temperature), api, "temperature ", temperature,
                 " must be finite and > 0");
@@ -100,7 +100,7 @@ inline int sample_token(std::span<const float> logits, double temperature, std::
 /// `push` records the token the answer goes on with.
 class answer_sampler {
  public:
-  /// The long-answer setting of the examples (calibration, triattn_eval long): without a
+  /// The long-answer setting of the programs (calibration, triattn_eval long): without a
   /// penalty SmolLM2's 2,048-token answers loop; 1.1 over 64 tokens still loops, 1.3 over 256
   /// turns the text to noise.
   static constexpr float default_penalty = 1.2f;
@@ -108,7 +108,7 @@ class answer_sampler {
 
   answer_sampler(double temperature, float penalty, int window, std::span<const std::uint8_t> allowed = {})
       : temperature_(temperature), penalty_(penalty), window_(window), allowed_(allowed) {
-    TRIATTN_CHECK(penalty >= 1.0f && std::isfinite(penalty) && window >= 0, "llama2c::answer_sampler", "penalty ",
+    TRIATTN_CHECK(penalty >= 1.0f && std::isfinite(penalty) && window >= 0, "triattn_runner::answer_sampler", "penalty ",
                   penalty, " must be finite and >= 1, window ", window, " >= 0");
   }
   /// The token `logits` give the uniform `u` with the current history.
@@ -174,7 +174,7 @@ namespace detail {
 template <class Next>
 triattn::query_stats calibrate_windows(const model& m, std::size_t count, int length, Next&& next,
                                        const calibration_progress& progress, int batch = calibration_batch) {
-  const char* api = "llama2c::calibrate_windows";
+  const char* api = "triattn_runner::calibrate_windows";
   TRIATTN_CHECK(length >= 1 && length <= m.config().seq_len, api, "window length ", length, " must be in [1, ",
                 m.config().seq_len, "] (the model's context)");
   TRIATTN_CHECK(batch >= 1, api, "batch ", batch, " must be >= 1");
@@ -218,10 +218,10 @@ triattn::query_stats calibrate_windows(const model& m, std::size_t count, int le
 /// decoded `calibration_batch` at a time. `progress(done, total)` is called after each window.
 inline triattn::query_stats calibrate(const model& m, const std::vector<std::vector<int>>& windows,
                                       const calibration_progress& progress = {}) {
-  TRIATTN_CHECK(!windows.empty(), "llama2c::calibrate", "no windows");
+  TRIATTN_CHECK(!windows.empty(), "triattn_runner::calibrate", "no windows");
   const std::size_t length = windows.front().size();
   for (const std::vector<int>& w : windows)
-    TRIATTN_CHECK(w.size() == length, "llama2c::calibrate", "windows of ", w.size(), " and ", length, " tokens");
+    TRIATTN_CHECK(w.size() == length, "triattn_runner::calibrate", "windows of ", w.size(), " and ", length, " tokens");
   return detail::calibrate_windows(
       m, windows.size(), static_cast<int>(length),
       [&](std::size_t w, int t, std::span<const float>) { return windows[w][static_cast<std::size_t>(t)]; }, progress);
@@ -233,7 +233,7 @@ inline triattn::query_stats calibrate(const model& m, const std::vector<std::vec
 inline triattn::query_stats calibrate(const model& m, const tokenizer& tok, std::string_view text, int max_windows,
                                       const calibration_progress& progress = {}) {
   const auto windows = text_windows(tok, text, m.config().seq_len, max_windows);
-  TRIATTN_CHECK(!windows.empty(), "llama2c::calibrate", "the text holds no full window of ", m.config().seq_len,
+  TRIATTN_CHECK(!windows.empty(), "triattn_runner::calibrate", "the text holds no full window of ", m.config().seq_len,
                 " tokens");
   return calibrate(m, windows, progress);
 }
@@ -248,8 +248,8 @@ inline triattn::query_stats calibrate(const model& m, const tokenizer& tok, std:
 inline triattn::query_stats calibrate_on_samples(const model& m, int windows, std::uint64_t seed,
                                                  double temperature = 1.0,
                                                  const calibration_progress& progress = {}, int length = 0) {
-  TRIATTN_CHECK(windows >= 1, "llama2c::calibrate_on_samples", "windows ", windows, " must be >= 1");
-  TRIATTN_CHECK(length >= 0, "llama2c::calibrate_on_samples", "length ", length, " must be >= 0 (0: the context)");
+  TRIATTN_CHECK(windows >= 1, "triattn_runner::calibrate_on_samples", "windows ", windows, " must be >= 1");
+  TRIATTN_CHECK(length >= 0, "triattn_runner::calibrate_on_samples", "length ", length, " must be >= 0 (0: the context)");
   std::vector<std::mt19937_64> rngs;
   for (int w = 0; w < windows; ++w) rngs.push_back(window_rng(seed, static_cast<std::size_t>(w)));
   return detail::calibrate_windows(
@@ -270,7 +270,7 @@ inline triattn::query_stats calibrate_on_answers(const model& m, const std::vect
                                                  std::span<const std::uint8_t> allowed = {},
                                                  const calibration_progress& progress = {}, float repeat_penalty = 1.0f,
                                                  int repeat_window = 0) {
-  const char* api = "llama2c::calibrate_on_answers";
+  const char* api = "triattn_runner::calibrate_on_answers";
   TRIATTN_CHECK(!prompts.empty(), api, "no prompts");
   for (std::size_t w = 0; w < prompts.size(); ++w)
     TRIATTN_CHECK(!prompts[w].empty() && prompts[w].size() < static_cast<std::size_t>(length), api, "prompt ", w,
@@ -293,4 +293,4 @@ inline triattn::query_stats calibrate_on_answers(const model& m, const std::vect
       progress);
 }
 
-}  // namespace llama2c
+}  // namespace triattn_runner

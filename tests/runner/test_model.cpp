@@ -1,4 +1,4 @@
-// The llama2.c runner of the examples against the real stories260K model: the golden greedy
+// The runner (runner/) against the real stories260K model: the golden greedy
 // output, the tokenizer, text windows, checkpoint validation, and decoding with a cache that
 // triattn compresses (StreamingLLM, and one kv head compacted by hand).
 #include <catch2/catch.hpp>
@@ -19,8 +19,8 @@
 #include <string_view>
 #include <vector>
 
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
+#include "eval/random_eviction.hpp"
+#include "runner/runner.hpp"
 #include "support/data.hpp"
 #include "support/random.hpp"
 #include "triattn/triattn.hpp"
@@ -34,17 +34,17 @@ fs::path model_dir() { return triattn_test::data_dir() / "models" / "stories260K
 fs::path valid_text_path() { return triattn_test::data_dir() / "data" / "tinystories_valid_head.txt"; }
 
 // Loaded once for all test cases.
-const llama2c::model& stories() {
-  static const llama2c::model m = llama2c::model::load(model_dir() / "stories260K.bin");
+const triattn_runner::model& stories() {
+  static const triattn_runner::model m = triattn_runner::model::load(model_dir() / "stories260K.bin");
   return m;
 }
-const llama2c::tokenizer& tok512() {
-  static const llama2c::tokenizer t = llama2c::tokenizer::load(model_dir() / "tok512.bin", 512);
+const triattn_runner::tokenizer& tok512() {
+  static const triattn_runner::tokenizer t = triattn_runner::tokenizer::load(model_dir() / "tok512.bin", 512);
   return t;
 }
 
 std::vector<int> golden_ids() {
-  std::istringstream in(llama2c::read_file(model_dir() / "golden_greedy_256_ids.txt"));
+  std::istringstream in(triattn_runner::read_file(model_dir() / "golden_greedy_256_ids.txt"));
   std::vector<int> ids;
   for (int id = 0; in >> id;) ids.push_back(id);
   return ids;
@@ -52,7 +52,7 @@ std::vector<int> golden_ids() {
 
 // Paragraphs of a data file, split on "\n\n" (the files use bare blank lines).
 std::vector<std::string> paragraphs(const fs::path& file) {
-  const std::string text = llama2c::read_file(file);
+  const std::string text = triattn_runner::read_file(file);
   std::vector<std::string> out;
   for (std::size_t at = 0; at < text.size();) {
     const std::size_t end = std::min(text.find("\n\n", at), text.size());
@@ -90,12 +90,12 @@ std::string load_error(Load&& load) {
 }
 
 // Records the last call of every (layer, q-head).
-struct recorder final : llama2c::observer {
+struct recorder final : triattn_runner::observer {
   int n_heads;
   std::vector<std::vector<float>> q, probs;  // [layers * q_heads][head_dim], [layers * q_heads][length]
   std::vector<std::int32_t> position;
   int calls = 0;
-  explicit recorder(const llama2c::config& c)
+  explicit recorder(const triattn_runner::config& c)
       : n_heads(c.n_heads),
         q(static_cast<std::size_t>(c.n_layers * c.n_heads)),
         probs(q.size()),
@@ -116,7 +116,7 @@ bool bitwise_equal(std::span<const float> a, std::span<const float> b) {
 
 // `count` tokens of a randomly chosen validation window.
 std::vector<int> random_window_tokens(std::uint64_t salt, std::size_t count) {
-  const auto windows = llama2c::text_windows(tok512(), llama2c::read_file(valid_text_path()), 256, 40);
+  const auto windows = triattn_runner::text_windows(tok512(), triattn_runner::read_file(valid_text_path()), 256, 40);
   REQUIRE(windows.size() == 40);
   auto g = triattn_test::rng(salt);
   const auto& w = windows[std::uniform_int_distribution<std::size_t>(0, windows.size() - 1)(g)];
@@ -128,15 +128,15 @@ std::vector<int> random_window_tokens(std::uint64_t salt, std::size_t count) {
 TEST_CASE("full-cache greedy decoding from BOS reproduces the 256 golden tokens", "[llama2c]") {
   const std::vector<int> golden = golden_ids();
   REQUIRE(golden.size() == 256);
-  llama2c::session s(stories(), 256);
+  triattn_runner::session s(stories(), 256);
   std::vector<int> got;
-  for (int token = llama2c::bos_id; got.size() < golden.size();) {
-    token = llama2c::argmax(s.forward(token));
+  for (int token = triattn_runner::bos_id; got.size() < golden.size();) {
+    token = triattn_runner::argmax(s.forward(token));
     got.push_back(token);
   }
   CHECK(got == golden);
 
-  const llama2c::config& c = stories().config();
+  const triattn_runner::config& c = stories().config();
   CHECK(s.position() == 256);
   CHECK(s.kv_bytes() == 256 * 1280);  // 5 layers x 2 (K, V) x 32 floats x 4 bytes per token
   CHECK(s.full_kv_bytes(256) == s.kv_bytes());
@@ -148,17 +148,17 @@ TEST_CASE("full-cache greedy decoding from BOS reproduces the 256 golden tokens"
 }
 
 TEST_CASE("decoding the golden ids reproduces the golden text", "[llama2c][tokenizer]") {
-  const std::string text = llama2c::read_file(model_dir() / "golden_greedy_256.txt");
+  const std::string text = triattn_runner::read_file(model_dir() / "golden_greedy_256.txt");
   CHECK(tok512().decode(golden_ids()) == text);
-  CHECK(tok512().decode(llama2c::bos_id, 317) == "Lily");  // the leading space goes after BOS only
+  CHECK(tok512().decode(triattn_runner::bos_id, 317) == "Lily");  // the leading space goes after BOS only
   CHECK(tok512().decode(259, 317) == " Lily");
   CHECK(tok512().decode(259, 'A' + 3) == "A");  // byte fallback <0x41>
 }
 
 TEST_CASE("the tokenizer encodes like run.c and round-trips text", "[llama2c][tokenizer]") {
-  const llama2c::tokenizer& tok = tok512();
+  const triattn_runner::tokenizer& tok = tok512();
   CHECK(tok.encode("Lily", false, false) == std::vector<int>{317});  // " Lily": dummy prefix merged in
-  CHECK(tok.encode("", true, true) == std::vector<int>{llama2c::bos_id, llama2c::eos_id});
+  CHECK(tok.encode("", true, true) == std::vector<int>{triattn_runner::bos_id, triattn_runner::eos_id});
   CHECK(tok.encode("", false, false).empty());
   // A code point is looked up whole (U+00E9 is piece 485); U+00FC is no piece, so its two
   // UTF-8 bytes fall back to ids byte + 3.
@@ -167,7 +167,7 @@ TEST_CASE("the tokenizer encodes like run.c and round-trips text", "[llama2c][to
 
   std::set<std::string> pieces;
   for (int id = 0; id < tok.vocab_size(); ++id) pieces.insert(tok.piece(id));
-  const llama2c::tokenizer reloaded = llama2c::tokenizer::load(model_dir() / "tok512.bin", 512);
+  const triattn_runner::tokenizer reloaded = triattn_runner::tokenizer::load(model_dir() / "tok512.bin", 512);
   const auto check_text = [&](const std::string& text) {
     INFO("text: " << text);
     const std::vector<int> ids = tok.encode(text, false, false);
@@ -176,10 +176,10 @@ TEST_CASE("the tokenizer encodes like run.c and round-trips text", "[llama2c][to
     // Merging stops only when no adjacent pair forms a piece.
     for (std::size_t i = 0; i + 1 < ids.size(); ++i) CHECK(pieces.count(tok.piece(ids[i]) + tok.piece(ids[i + 1])) == 0);
     const std::vector<int> framed = tok.encode(text, true, true);
-    CHECK(framed.front() == llama2c::bos_id);
-    CHECK(framed.back() == llama2c::eos_id);
+    CHECK(framed.front() == triattn_runner::bos_id);
+    CHECK(framed.back() == triattn_runner::eos_id);
   };
-  check_text(llama2c::read_file(model_dir() / "golden_greedy_256.txt"));
+  check_text(triattn_runner::read_file(model_dir() / "golden_greedy_256.txt"));
 
   // Fresh paragraphs each run, and every paragraph with non-ASCII bytes (the data's mojibake).
   for (const char* file : {"tinystories_valid_head.txt", "tinystories_train_head.txt"}) {
@@ -201,13 +201,13 @@ TEST_CASE("text windows are BOS-started paragraphs cut at the window size", "[ll
   const std::vector<std::string> paras = paragraphs(valid_text_path());
   auto g = triattn_test::rng(7);
   const int window = std::uniform_int_distribution<int>(16, 700)(g);
-  const auto windows = llama2c::text_windows(tok512(), llama2c::read_file(valid_text_path()), window, 6);
+  const auto windows = triattn_runner::text_windows(tok512(), triattn_runner::read_file(valid_text_path()), window, 6);
   REQUIRE(windows.size() == 6);
 
   std::vector<std::vector<int>> expected;
   std::vector<int> current;
   for (std::size_t p = 0; expected.size() < 6; ++p) {
-    current.push_back(llama2c::bos_id);
+    current.push_back(triattn_runner::bos_id);
     const std::vector<int> ids = tok512().encode(paras.at(p), false, false);
     current.insert(current.end(), ids.begin(), ids.end());
     if (current.size() >= static_cast<std::size_t>(window)) {
@@ -219,14 +219,14 @@ TEST_CASE("text windows are BOS-started paragraphs cut at the window size", "[ll
   CHECK(windows == expected);
 
   // A short tail is dropped; CRLF line ends and runs of blank lines split the same way.
-  CHECK(llama2c::text_windows(tok512(), "One day.\n\nThe end.\n", 512, 10).empty());
+  CHECK(triattn_runner::text_windows(tok512(), "One day.\n\nThe end.\n", 512, 10).empty());
   std::vector<int> both;
   for (const char* p : {"One day.", "The end."}) {
-    both.push_back(llama2c::bos_id);
+    both.push_back(triattn_runner::bos_id);
     const std::vector<int> ids = tok512().encode(p, false, false);
     both.insert(both.end(), ids.begin(), ids.end());
   }
-  const auto crlf = llama2c::text_windows(tok512(), "\r\nOne day.\r\n\r\n \t\r\n\r\nThe end.",
+  const auto crlf = triattn_runner::text_windows(tok512(), "\r\nOne day.\r\n\r\n \t\r\n\r\nThe end.",
                                           static_cast<int>(both.size()), 10);
   REQUIRE(crlf.size() == 1);
   CHECK(crlf[0] == both);
@@ -237,13 +237,15 @@ TEST_CASE("StreamingLLM keeps sinks + recent slots and the logits before the fir
   constexpr std::int64_t budget = 32, slack = 8, sinks = 4;
   constexpr std::size_t steps = 100;
   const std::vector<int> tokens = random_window_tokens(1, steps);
-  const llama2c::config& c = stories().config();
+  const triattn_runner::config& c = stories().config();
 
   const auto sched = triattn::schedule::with_slack(slack);
-  llama2c::any_policy policy = *llama2c::find_policy(triattn::streaming_llm::name)->create({nullptr, sched});
+  triattn::policy_inputs in;
+  in.sched = sched;
+  triattn::any_policy policy = *triattn::find_policy(triattn::streaming_llm::name)->create(in);
   CHECK(policy.name() == triattn::streaming_llm::name);
-  llama2c::session full(stories(), steps);
-  llama2c::session compressed(stories(), budget + slack);
+  triattn_runner::session full(stories(), steps);
+  triattn_runner::session compressed(stories(), budget + slack);
 
   std::vector<std::int32_t> expected;  // the positions StreamingLLM keeps, the same in every head
   int rounds = 0, exact_steps = 0;
@@ -281,7 +283,7 @@ TEST_CASE("StreamingLLM keeps sinks + recent slots and the logits before the fir
 }
 
 TEST_CASE("each kv head attends over its own slots after a per-head compaction", "[llama2c][policies]") {
-  const llama2c::config& c = stories().config();
+  const triattn_runner::config& c = stories().config();
   constexpr int prefix = 20;
   const std::vector<int> tokens = random_window_tokens(2, prefix + 1);
   auto g = triattn_test::rng(3);
@@ -294,7 +296,7 @@ TEST_CASE("each kv head attends over its own slots after a per-head compaction",
   std::sample(all.begin(), all.end(), std::back_inserter(keep), static_cast<std::ptrdiff_t>(kept), g);
   INFO("layer " << layer << " kv_head " << head << ", " << keep.size() << " slots kept");
 
-  llama2c::session reference(stories(), 64), compacted(stories(), 64);
+  triattn_runner::session reference(stories(), 64), compacted(stories(), 64);
   for (int t = 0; t < prefix; ++t) {
     reference.forward(tokens[static_cast<std::size_t>(t)]);
     compacted.forward(tokens[static_cast<std::size_t>(t)]);
@@ -344,16 +346,16 @@ TEST_CASE("each kv head attends over its own slots after a per-head compaction",
 }
 
 TEST_CASE("a full cache throws, stays unchanged, and runs again after compression or reset", "[llama2c]") {
-  llama2c::session s(stories(), 3);
+  triattn_runner::session s(stories(), 3);
   std::vector<float> first;
-  for (int token : {llama2c::bos_id, 317, 259}) {
+  for (int token : {triattn_runner::bos_id, 317, 259}) {
     const std::span<const float> logits = s.forward(token);
     if (first.empty()) first.assign(logits.begin(), logits.end());
   }
-  CHECK_THAT(load_error([&] { s.forward(400); }), Contains("llama2c::session::forward") && Contains("cache full"));
+  CHECK_THAT(load_error([&] { s.forward(400); }), Contains("triattn_runner::session::forward") && Contains("cache full"));
   CHECK(s.position() == 3);
   CHECK(s.length(0, 0) == 3);
-  CHECK_THAT(load_error([&] { llama2c::session(stories(), 4).forward(512); }), Contains("token 512"));
+  CHECK_THAT(load_error([&] { triattn_runner::session(stories(), 4).forward(512); }), Contains("token 512"));
 
   triattn::streaming_llm({.sinks = 1}).compress(s.view(), 2);
   CHECK(s.length(2, 1) == 2);
@@ -363,7 +365,7 @@ TEST_CASE("a full cache throws, stays unchanged, and runs again after compressio
 
   s.reset();
   CHECK(s.kv_bytes() == 0);
-  CHECK(bitwise_equal(s.forward(llama2c::bos_id), first));
+  CHECK(bitwise_equal(s.forward(triattn_runner::bos_id), first));
   CHECK(s.position() == 1);
 }
 
@@ -375,7 +377,7 @@ TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama
   const int threads = std::uniform_int_distribution<int>(1, 3)(rng);  // the products split by panels of rows
   INFO("batch " << batch << ", threads " << threads);
   std::uniform_int_distribution<int> token(3, 511);
-  std::vector<llama2c::session> together, alone;
+  std::vector<triattn_runner::session> together, alone;
   std::vector<std::vector<int>> streams;
   for (int b = 0; b < batch; ++b) {
     const int start = std::uniform_int_distribution<int>(0, 12)(rng);
@@ -386,15 +388,15 @@ TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama
     for (int t = 0; t < start; ++t) together.back().forward(tokens[static_cast<std::size_t>(t)]);  // a head start
     streams.push_back(std::move(tokens));
   }
-  llama2c::batch_decoder decoder(stories(), threads);
-  std::vector<llama2c::session*> ptrs;
+  triattn_runner::batch_decoder decoder(stories(), threads);
+  std::vector<triattn_runner::session*> ptrs;
   for (auto& s : together) ptrs.push_back(&s);
   for (int step = 0; step < 24; ++step) {
     std::vector<int> now;
     for (int b = 0; b < batch; ++b) now.push_back(streams[b][static_cast<std::size_t>(together[b].position())]);
     decoder.step(ptrs, now);
     for (int b = 0; b < batch; ++b) {
-      llama2c::session& a = alone[static_cast<std::size_t>(b)];
+      triattn_runner::session& a = alone[static_cast<std::size_t>(b)];
       std::span<const float> want;
       while (a.position() < together[b].position()) want = a.forward(streams[b][static_cast<std::size_t>(a.position())]);
       CHECK(bitwise_equal(decoder.logits(b), want));
@@ -404,9 +406,9 @@ TEST_CASE("batched decoding gives every session the bits it gets alone", "[llama
   const std::int64_t before = together[0].position();
   std::vector<int> bad(static_cast<std::size_t>(batch), 5);
   bad.back() = 512;
-  CHECK_THAT(load_error([&] { decoder.step(ptrs, bad); }), Contains("llama2c::batch_decoder::step") &&
+  CHECK_THAT(load_error([&] { decoder.step(ptrs, bad); }), Contains("triattn_runner::batch_decoder::step") &&
                                                               Contains("token 512"));
-  std::vector<llama2c::session*> twice{ptrs[0], ptrs[0]};
+  std::vector<triattn_runner::session*> twice{ptrs[0], ptrs[0]};
   CHECK_THAT(load_error([&] { decoder.step(twice, std::vector<int>{5, 5}); }), Contains("session 1 is also session 0"));
   CHECK(together[0].position() == before);
   CHECK(together[0].length(0, 0) == before);
@@ -417,10 +419,10 @@ TEST_CASE("a session copied from another goes on with the same bits", "[llama2c]
   std::uniform_int_distribution<int> token(3, 511);
   const int head = std::uniform_int_distribution<int>(4, 30)(rng);
   INFO("head " << head);
-  llama2c::session a(stories(), 64), b(stories(), head + 10);
+  triattn_runner::session a(stories(), 64), b(stories(), head + 10);
   for (int t = 0; t < head; ++t) a.forward(token(rng));
   // a compressed source: rows of different lengths
-  llama2c::random_eviction evict(rng());
+  triattn_eval::random_eviction evict(rng());
   triattn::compress(evict, a.view(), head / 2);
   b.forward(7);  // whatever b held is replaced
   b.copy_from(a);
@@ -440,12 +442,12 @@ TEST_CASE("a session copied from another goes on with the same bits", "[llama2c]
   std::int32_t longest = 0;
   for (int l = 0; l < stories().config().n_layers; ++l)
     for (int h = 0; h < stories().config().n_kv_heads; ++h) longest = std::max(longest, a.length(l, h));
-  llama2c::session small(stories(), longest - 1);
+  triattn_runner::session small(stories(), longest - 1);
   small.forward(5);
-  CHECK_THAT(load_error([&] { small.copy_from(a); }), Contains("llama2c::session::copy_from") && Contains("room for"));
+  CHECK_THAT(load_error([&] { small.copy_from(a); }), Contains("triattn_runner::session::copy_from") && Contains("room for"));
   CHECK(small.position() == 1);
   CHECK(small.length(0, 0) == 1);
-  llama2c::session narrow(stories(), 64, triattn::dtype::f16);
+  triattn_runner::session narrow(stories(), 64, triattn::dtype::f16);
   CHECK_THAT(load_error([&] { narrow.copy_from(a); }), Contains("cache type"));
 }
 
@@ -453,29 +455,29 @@ TEST_CASE("f16 and bf16 caches decode close to the f32 cache and compress alike"
   const std::vector<int> golden = golden_ids();
   for (const triattn::dtype type : {triattn::dtype::f16, triattn::dtype::bf16}) {
     INFO(triattn::dtype_name(type));
-    llama2c::session exact(stories(), 128), narrow(stories(), 128, type);
+    triattn_runner::session exact(stories(), 128), narrow(stories(), 128, type);
     CHECK(narrow.view().geometry().type == type);
     CHECK(narrow.kv_bytes() == 0);
     double kl = 0;
     int agree = 0;
     for (int t = 0; t < 128; ++t) {
-      const int token = t == 0 ? llama2c::bos_id : golden[static_cast<std::size_t>(t - 1)];
+      const int token = t == 0 ? triattn_runner::bos_id : golden[static_cast<std::size_t>(t - 1)];
       const std::span<const float> want = exact.forward(token);
       const std::span<const float> got = narrow.forward(token);
-      kl += llama2c::kl_divergence(want, got);
-      agree += llama2c::argmax(want) == llama2c::argmax(got);
+      kl += triattn_runner::kl_divergence(want, got);
+      agree += triattn_runner::argmax(want) == triattn_runner::argmax(got);
     }
     // 2-byte elements: half the bytes of f32; the distributions barely move.
     CHECK(narrow.kv_bytes() * 2 == exact.kv_bytes());
     CHECK(kl / 128 < (type == triattn::dtype::f16 ? 1e-5 : 1e-3));
     CHECK(agree >= 126);
-    CHECK_THAT(load_error([&] { llama2c::session(stories(), 4, triattn::dtype::fp8_e4m3); }),
-               Contains("llama2c::session") && Contains("fp8_e4m3"));
+    CHECK_THAT(load_error([&] { triattn_runner::session(stories(), 4, triattn::dtype::fp8_e4m3); }),
+               Contains("triattn_runner::session") && Contains("fp8_e4m3"));
   }
 }
 
 TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[llama2c]") {
-  const std::string model_bytes = llama2c::read_file(model_dir() / "stories260K.bin");
+  const std::string model_bytes = triattn_runner::read_file(model_dir() / "stories260K.bin");
   REQUIRE(model_bytes.size() == 1056540);
   auto g = triattn_test::rng(4);
   std::vector<std::size_t> cuts{0, 27, 28, model_bytes.size() - 1};
@@ -483,11 +485,11 @@ TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[
   for (const std::size_t cut : cuts) {
     INFO("first " << cut << " bytes");
     const temp_file f(model_bytes.substr(0, cut));
-    const std::string msg = load_error([&] { llama2c::model::load(f.path); });
-    CHECK_THAT(msg, Contains("llama2c::model::load") && Contains(f.path.filename().string()));
+    const std::string msg = load_error([&] { triattn_runner::model::load(f.path); });
+    CHECK_THAT(msg, Contains("triattn_runner::model::load") && Contains(f.path.filename().string()));
   }
   const temp_file longer(model_bytes + "x");
-  CHECK_THAT(load_error([&] { llama2c::model::load(longer.path); }), Contains("file size 1056541"));
+  CHECK_THAT(load_error([&] { triattn_runner::model::load(longer.path); }), Contains("file size 1056541"));
 
   // Header fields: [dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len].
   const auto with_field = [&](int field, std::int32_t value) {
@@ -503,23 +505,23 @@ TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::memcpy(nan_bytes.data() + 28 + 4 * 1000, &nan, 4);
   const temp_file nan_weight(nan_bytes);
-  CHECK_THAT(load_error([&] { llama2c::model::load(nan_weight.path); }),
+  CHECK_THAT(load_error([&] { triattn_runner::model::load(nan_weight.path); }),
              Contains("weight 1000 is nan") && Contains("weights must be finite"));
-  CHECK_THAT(load_error([&] { llama2c::model::load(zero_layers.path); }), Contains("n_layers = 0"));
-  CHECK_THAT(load_error([&] { llama2c::model::load(odd_group.path); }), Contains("n_kv_heads 3"));
-  CHECK_THAT(load_error([&] { llama2c::model::load(odd_head.path); }), Contains("head_dim 1"));
-  CHECK_THAT(load_error([&] { llama2c::model::load(split_dim.path); }), Contains("n_heads 5"));
+  CHECK_THAT(load_error([&] { triattn_runner::model::load(zero_layers.path); }), Contains("n_layers = 0"));
+  CHECK_THAT(load_error([&] { triattn_runner::model::load(odd_group.path); }), Contains("n_kv_heads 3"));
+  CHECK_THAT(load_error([&] { triattn_runner::model::load(odd_head.path); }), Contains("head_dim 1"));
+  CHECK_THAT(load_error([&] { triattn_runner::model::load(split_dim.path); }), Contains("n_heads 5"));
 
-  const std::string tok_bytes = llama2c::read_file(model_dir() / "tok512.bin");
+  const std::string tok_bytes = triattn_runner::read_file(model_dir() / "tok512.bin");
   const temp_file short_tok(tok_bytes.substr(0, std::uniform_int_distribution<std::size_t>(0, tok_bytes.size() - 1)(g)));
-  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(short_tok.path, 512); }),
-             Contains("llama2c::tokenizer::load") && Contains("truncated"));
-  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(model_dir() / "tok512.bin", 511); }), Contains("bytes follow"));
+  CHECK_THAT(load_error([&] { triattn_runner::tokenizer::load(short_tok.path, 512); }),
+             Contains("triattn_runner::tokenizer::load") && Contains("truncated"));
+  CHECK_THAT(load_error([&] { triattn_runner::tokenizer::load(model_dir() / "tok512.bin", 511); }), Contains("bytes follow"));
 
   // Issue 15: a vocabulary below 259 sent byte fallback and the dummy prefix past the piece
   // table; a piece length was trusted before its bytes were known to exist (a 14-byte file
   // took 2.1 GB); a vocabulary the file cannot hold was allocated first.
-  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(model_dir() / "tok512.bin", 258); }),
+  CHECK_THAT(load_error([&] { triattn_runner::tokenizer::load(model_dir() / "tok512.bin", 258); }),
              Contains("vocab_size 258") && Contains(">= 259"));
   std::string huge_piece(4, '\0');  // max_token_length
   const float score = 0.0f;
@@ -528,9 +530,9 @@ TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[
   huge_piece.append(reinterpret_cast<const char*>(&length), 4);
   huge_piece.append(std::string(259 * 8, 'x'));
   const temp_file huge(huge_piece);
-  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(huge.path, 259); }),
+  CHECK_THAT(load_error([&] { triattn_runner::tokenizer::load(huge.path, 259); }),
              Contains("token 0 declares 2147418112 bytes") && Contains("truncated"));
   const temp_file tiny(std::string(14, '\0'));
-  CHECK_THAT(load_error([&] { llama2c::tokenizer::load(tiny.path, 1 << 30); }),
+  CHECK_THAT(load_error([&] { triattn_runner::tokenizer::load(tiny.path, 1 << 30); }),
              Contains("truncated") && Contains("1073741824 pieces"));
 }

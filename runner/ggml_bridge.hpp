@@ -1,5 +1,5 @@
-/// \file gguf/ggml_bridge.hpp
-/// \brief The one place where the examples touch ggml and llama.cpp (MIT): reading a GGUF file
+/// \file runner/ggml_bridge.hpp
+/// \brief The one place where the runner and the programs touch ggml and llama.cpp (MIT): reading a GGUF file
 /// (metadata, tensors dequantised to f32), llama.cpp's tokenizer and chat template, and
 /// llama.cpp's own forward pass as a reference for parity tests.
 ///

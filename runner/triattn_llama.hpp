@@ -1,4 +1,4 @@
-/// \file llamacpp/triattn_llama.hpp
+/// \file runner/triattn_llama.hpp
 /// \brief triattn inside llama.cpp: one sequence's KV cache held at a budget by any triattn
 /// policy, through llama.cpp's public API only. Copy this header (it needs llama.h, ggml.h,
 /// ggml-backend.h and triattn) or include it.

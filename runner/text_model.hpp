@@ -1,5 +1,5 @@
-/// \file llama2c/text_model.hpp
-/// \brief A model with its tokenizer, from either format the examples read: a llama2.c
+/// \file runner/text_model.hpp
+/// \brief A model with its tokenizer, from either format the runner reads: a llama2.c
 /// checkpoint with its tokenizer file, or a GGUF file that holds its own tokenizer (read by
 /// llama.cpp; needs a build with TRIATTN_WITH_LLAMA_CPP=ON, which defines TRIATTN_WITH_GGUF).
 #pragma once
@@ -15,14 +15,14 @@
 #include <string_view>
 #include <vector>
 
-#include "llama2c/llama2c.hpp"
+#include "runner/runner.hpp"
 #include "triattn/core/error.hpp"
 #if TRIATTN_WITH_GGUF
-#include "gguf/ggml_bridge.hpp"
-#include "gguf/gguf_model.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/gguf_model.hpp"
 #endif
 
-namespace llama2c {
+namespace triattn_runner {
 
 /// Whether `path` starts with the GGUF magic.
 inline bool is_gguf(const std::filesystem::path& path) {
@@ -52,24 +52,24 @@ class text_model {
   /// Loads a GGUF file (`tokenizer` is ignored) or a llama2.c checkpoint with `tokenizer`.
   /// Throws `triattn::error` naming `api` and the file.
   static text_model load(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path,
-                         const char* api = "llama2c::text_model::load") {
+                         const char* api = "triattn_runner::text_model::load") {
     text_model t;
     if (is_gguf(model_path)) {
 #if TRIATTN_WITH_GGUF
-      t.model_ = std::make_unique<llama2c::model>(gguf_model::load(model_path));
+      t.model_ = std::make_unique<triattn_runner::model>(gguf_model::load(model_path));
       t.vocab_.emplace(model_path);
 #else
       triattn::detail::fail(api, model_path, ": a GGUF model needs a build with llama.cpp (cmake -DTRIATTN_WITH_LLAMA_CPP=ON)");
 #endif
     } else {
       TRIATTN_CHECK(!tokenizer_path.empty(), api, model_path, ": a llama2.c checkpoint needs its tokenizer (--tokenizer)");
-      t.model_ = std::make_unique<llama2c::model>(llama2c::model::load(model_path));
+      t.model_ = std::make_unique<triattn_runner::model>(triattn_runner::model::load(model_path));
       t.tok_.emplace(tokenizer::load(tokenizer_path, t.model_->config().vocab_size));
     }
     return t;
   }
 
-  const llama2c::model& model() const { return *model_; }
+  const triattn_runner::model& model() const { return *model_; }
   bool gguf() const { return !tok_.has_value(); }
 
   /// The start token the tokenizer adds (llama2.c: BOS; GGUF: as its metadata says), then the
@@ -132,11 +132,11 @@ class text_model {
  private:
   text_model() = default;
 
-  std::unique_ptr<llama2c::model> model_;
+  std::unique_ptr<triattn_runner::model> model_;
   std::optional<tokenizer> tok_;
 #if TRIATTN_WITH_GGUF
   std::optional<ggml_bridge::vocab> vocab_;
 #endif
 };
 
-}  // namespace llama2c
+}  // namespace triattn_runner

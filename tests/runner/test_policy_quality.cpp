@@ -1,7 +1,7 @@
-// Every policy of the runner's registry on the real model (stories260K) at budget 64, slack 16:
+// Every policy of the registry on the real model (stories260K) at budget 64, slack 16:
 // teacher-forced over validation windows, the mean KL(full || compressed) of the next-token
 // distributions after the first compression must be lower than random eviction's at the same
-// budget. Random eviction is the runner's (llama2c/policies.hpp), not the library's.
+// budget. Random eviction is the evaluation's (eval/random_eviction.hpp), not the library's.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -13,9 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "llama2c/calibration.hpp"
-#include "llama2c/llama2c.hpp"
-#include "llama2c/policies.hpp"
+#include "eval/random_eviction.hpp"
+#include "runner/calibration.hpp"
+#include "runner/compressed_session.hpp"
+#include "runner/runner.hpp"
 #include "support/data.hpp"
 #include "support/random.hpp"
 #include "triattn/triattn.hpp"
@@ -27,23 +28,23 @@ constexpr int num_windows = 2;
 constexpr triattn::schedule sched = triattn::schedule::with_slack(slack);  // every policy's trigger
 
 struct fixture {
-  llama2c::model model = llama2c::model::load(triattn_test::data_dir() / "models/stories260K/stories260K.bin");
-  llama2c::tokenizer tok =
-      llama2c::tokenizer::load(triattn_test::data_dir() / "models/stories260K/tok512.bin", model.config().vocab_size);
+  triattn_runner::model model = triattn_runner::model::load(triattn_test::data_dir() / "models/stories260K/stories260K.bin");
+  triattn_runner::tokenizer tok =
+      triattn_runner::tokenizer::load(triattn_test::data_dir() / "models/stories260K/tok512.bin", model.config().vocab_size);
   std::vector<std::vector<int>> windows;
   std::vector<std::vector<std::vector<float>>> full_logits;  // [window][step][vocab]
   triattn::query_stats stats;
 
   fixture() {
     // Calibration text and evaluation text differ (train vs validation).
-    stats = llama2c::calibrate(model, tok, llama2c::read_file(triattn_test::data_dir() / "data/tinystories_train_head.txt"),
+    stats = triattn_runner::calibrate(model, tok, triattn_runner::read_file(triattn_test::data_dir() / "data/tinystories_train_head.txt"),
                                8);
-    const auto all = llama2c::text_windows(
-        tok, llama2c::read_file(triattn_test::data_dir() / "data/tinystories_valid_head.txt"), 512, 40);
+    const auto all = triattn_runner::text_windows(
+        tok, triattn_runner::read_file(triattn_test::data_dir() / "data/tinystories_valid_head.txt"), 512, 40);
     // Fresh windows each run, from the run's seed.
     auto g = triattn_test::rng(77);
     for (int i = 0; i < num_windows; ++i) windows.push_back(all[std::uniform_int_distribution<std::size_t>(0, all.size() - 1)(g)]);
-    llama2c::session full(model, 512);
+    triattn_runner::session full(model, 512);
     for (const auto& w : windows) {
       full.reset();
       auto& rows = full_logits.emplace_back();
@@ -56,9 +57,9 @@ struct fixture {
 
   /// Mean KL over the predictions after the first compression, for `policy`.
   template <class P>
-  double mean_kl(P& policy, llama2c::observer* feed = nullptr) {
+  double mean_kl(P& policy, triattn_runner::observer* feed = nullptr) {
     REQUIRE(policy.round().sched.should_compress(budget + slack, budget, budget + slack));  // the test's trigger
-    llama2c::session s(model, sched.peak_tokens(budget));
+    triattn_runner::session s(model, sched.peak_tokens(budget));
     s.set_observer(feed);
     double kl = 0.0;
     std::int64_t n = 0;
@@ -69,7 +70,7 @@ struct fixture {
       for (std::size_t t = 0; t < windows[w].size(); ++t) {
         const auto logits = s.forward(windows[w][t]);
         if (compressed) {
-          kl += llama2c::kl_divergence(full_logits[w][t], logits);
+          kl += triattn_runner::kl_divergence(full_logits[w][t], logits);
           ++n;
         }
         compressed |= triattn::maybe_compress(policy, s.view(), budget, {s.position(), 0});
@@ -84,16 +85,18 @@ struct fixture {
 
 TEST_CASE("every policy beats random eviction at budget 64 on the real model") {
   fixture f;
-  llama2c::random_eviction random(triattn_test::test_seed(), sched);
+  triattn_eval::random_eviction random(triattn_test::test_seed(), sched);
   const double random_kl = f.mean_kl(random);
   INFO("random eviction: mean KL " << random_kl);
   std::printf("%-16s mean KL %.5f\n", "random", random_kl);
-  const llama2c::policy_inputs inputs{&f.stats, sched};
-  for (const llama2c::policy_entry& e : llama2c::policy_registry) {
-    std::optional<llama2c::any_policy> policy = e.create(inputs);
+  triattn::policy_inputs inputs;
+  inputs.stats = &f.stats;
+  inputs.sched = sched;
+  for (const triattn::policy_entry& e : triattn::policy_registry) {
+    std::optional<triattn::any_policy> policy = e.create(inputs);
     if (!policy) continue;  // `full`
     CHECK(policy->name() == e.name);
-    llama2c::policy_observer feed(*policy);
+    triattn_runner::policy_observer feed(*policy);
     const double kl = f.mean_kl(*policy, &feed);
     INFO(e.name << ": mean KL " << kl);
     std::printf("%-16.*s mean KL %.5f\n", static_cast<int>(e.name.size()), e.name.data(), kl);

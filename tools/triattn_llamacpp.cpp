@@ -1,5 +1,5 @@
 // triattn_llamacpp: llama.cpp generating with its KV cache held at a budget by a triattn policy
-// (llamacpp/triattn_llama.hpp), and the quality of that against llama.cpp with a full cache.
+// (runner/triattn_llama.hpp), and the quality of that against llama.cpp with a full cache.
 //
 //   triattn_llamacpp generate --model M.gguf [--policy P] [--stats S] [--budget 384] [--slack 64]
 //                    [--batch 64] [--tokens 4096] [--prompt TEXT] [--temperature 0.7] [--seed 1]
@@ -40,15 +40,14 @@
 #include <thread>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "llama2c/policies.hpp"
-#include "llamacpp/triattn_llama.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/triattn_llama.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-using adapter = triattn_llama::adapter<llama2c::any_policy>;
+using adapter = triattn_llama::adapter<triattn::any_policy>;
 
 /// Random keep sets, one per sequence, that always hold the newest token (llama.cpp continues
 /// after it): the floor every policy must beat. The draw is our own (std::shuffle is
@@ -63,10 +62,10 @@ class union_random : public triattn::policy_base<union_random> {
   }
   const triattn::round_options& round() const { return round_; }
 
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t keep, const triattn::round_context& = {}) {
+  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget, const triattn::round_context& = {}) {
     const triattn::kv_geometry& g = view.geometry();
     const std::int32_t n = view.length(0, 0);
-    const auto k = static_cast<std::int32_t>(std::min<std::int64_t>(n, keep));
+    const auto k = static_cast<std::int32_t>(std::min<std::int64_t>(n, budget));
     std::vector<std::int32_t> slots(static_cast<std::size_t>(std::max(n - 1, 0)));
     for (std::int32_t i = 0; i + 1 < n; ++i) slots[static_cast<std::size_t>(i)] = i;
     for (std::size_t i = 0; i + 1 < static_cast<std::size_t>(k); ++i)
@@ -92,18 +91,18 @@ Config per_sequence(Config c, triattn::schedule sched) {
 
 constexpr std::string_view policy_list = "triattention, streaming_llm, snapkv, random";
 
-llama2c::any_policy make_policy(std::string_view name, const triattn::query_stats* stats, triattn::schedule sched) {
-  if (name == "streaming_llm") return llama2c::any_policy(triattn::streaming_llm(per_sequence(triattn::streaming_llm_config{}, sched)));
-  if (name == "snapkv") return llama2c::any_policy(triattn::snapkv(per_sequence(triattn::snapkv_config::decode(), sched)));
-  if (name == "random") return llama2c::any_policy(union_random(1, sched));
+triattn::any_policy make_policy(std::string_view name, const triattn::query_stats* stats, triattn::schedule sched) {
+  if (name == "streaming_llm") return triattn::any_policy(triattn::streaming_llm(per_sequence(triattn::streaming_llm_config{}, sched)));
+  if (name == "snapkv") return triattn::any_policy(triattn::snapkv(per_sequence(triattn::snapkv_config::decode(), sched)));
+  if (name == "random") return triattn::any_policy(union_random(1, sched));
   if (name == "triattention") {
     TRIATTN_CHECK(stats != nullptr, "triattn_llamacpp", "policy triattention needs --stats (triattn calibrate --model M.gguf)");
     triattn::triattention_config c = per_sequence(triattn::triattention_config::paper(), sched);
     c.window = std::max<std::int64_t>(c.window, 1);  // llama.cpp continues after the newest token: keep it
-    return llama2c::any_policy(triattn::triattention(*stats, c));
+    return triattn::any_policy(triattn::triattention(*stats, c));
   }
   TRIATTN_CHECK(false, "triattn_llamacpp", "unknown policy '", name, "' (known: ", policy_list, ")");
-  return llama2c::any_policy(union_random(1, sched));  // not reached
+  return triattn::any_policy(union_random(1, sched));  // not reached
 }
 
 bool needs_queries(std::string_view name) { return name == "snapkv"; }

@@ -1,6 +1,6 @@
-/// \file gguf/gguf_model.hpp
+/// \file runner/gguf_model.hpp
 /// \brief Loads a Llama-family GGUF checkpoint (SmolLM2, Llama 2/3, TinyLlama) into the
-/// examples' runner (`llama2c::model`): shapes, RoPE and RMSNorm epsilon from the metadata,
+/// runner (`triattn_runner::model`): shapes, RoPE and RMSNorm epsilon from the metadata,
 /// every tensor dequantised to f32 once by ggml. The forward pass stays the runner's.
 #pragma once
 
@@ -13,31 +13,31 @@
 #include <utility>
 #include <vector>
 
-#include "gguf/ggml_bridge.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/ggml_bridge.hpp"
+#include "runner/runner.hpp"
 #include "triattn/core/error.hpp"
 
 namespace gguf_model {
 
 /// The GGUF tensor holding runner tensor `t` of `layer`, or "" for the legacy RoPE tables
 /// (GGUF has none) and for the classifier when it is tied to the embedding.
-inline std::string tensor_name(llama2c::tensor t, int layer, bool shared_classifier) {
+inline std::string tensor_name(triattn_runner::tensor t, int layer, bool shared_classifier) {
   const std::string blk = "blk." + std::to_string(layer) + ".";
   switch (t) {
-    case llama2c::tensor::token_embedding: return "token_embd.weight";
-    case llama2c::tensor::rms_att: return blk + "attn_norm.weight";
-    case llama2c::tensor::wq: return blk + "attn_q.weight";
-    case llama2c::tensor::wk: return blk + "attn_k.weight";
-    case llama2c::tensor::wv: return blk + "attn_v.weight";
-    case llama2c::tensor::wo: return blk + "attn_output.weight";
-    case llama2c::tensor::rms_ffn: return blk + "ffn_norm.weight";
-    case llama2c::tensor::w1: return blk + "ffn_gate.weight";
-    case llama2c::tensor::w2: return blk + "ffn_down.weight";
-    case llama2c::tensor::w3: return blk + "ffn_up.weight";
-    case llama2c::tensor::rms_final: return "output_norm.weight";
-    case llama2c::tensor::freq_cis_real:
-    case llama2c::tensor::freq_cis_imag: return "";
-    case llama2c::tensor::wcls: return shared_classifier ? "" : "output.weight";
+    case triattn_runner::tensor::token_embedding: return "token_embd.weight";
+    case triattn_runner::tensor::rms_att: return blk + "attn_norm.weight";
+    case triattn_runner::tensor::wq: return blk + "attn_q.weight";
+    case triattn_runner::tensor::wk: return blk + "attn_k.weight";
+    case triattn_runner::tensor::wv: return blk + "attn_v.weight";
+    case triattn_runner::tensor::wo: return blk + "attn_output.weight";
+    case triattn_runner::tensor::rms_ffn: return blk + "ffn_norm.weight";
+    case triattn_runner::tensor::w1: return blk + "ffn_gate.weight";
+    case triattn_runner::tensor::w2: return blk + "ffn_down.weight";
+    case triattn_runner::tensor::w3: return blk + "ffn_up.weight";
+    case triattn_runner::tensor::rms_final: return "output_norm.weight";
+    case triattn_runner::tensor::freq_cis_real:
+    case triattn_runner::tensor::freq_cis_imag: return "";
+    case triattn_runner::tensor::wcls: return shared_classifier ? "" : "output.weight";
   }
   return "";
 }
@@ -50,7 +50,7 @@ inline std::string shape_text(const std::vector<std::int64_t>& ne) {
 }
 
 /// The runner's config from the metadata of `f` (architecture `llama`).
-inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
+inline triattn_runner::config read_config(const ggml_bridge::gguf_file& f) {
   const char* api = "gguf_model::read_config";
   const std::string arch = f.get_string("general.architecture");
   TRIATTN_CHECK(arch == "llama", api, f.path(), ": general.architecture is \"", arch,
@@ -61,7 +61,7 @@ inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
     TRIATTN_CHECK(v >= 1 && v <= (std::int64_t{1} << 30), api, f.path(), ": ", k, " = ", v, " is not a positive size");
     return static_cast<int>(v);
   };
-  llama2c::config c;
+  triattn_runner::config c;
   c.n_layers = as_int(key("block_count"));
   c.dim = as_int(key("embedding_length"));
   c.hidden_dim = as_int(key("feed_forward_length"));
@@ -107,8 +107,8 @@ inline llama2c::config read_config(const ggml_bridge::gguf_file& f) {
 
 /// The GGUF sizes (`ne`, fastest first) runner tensor `t` must have: {in, out} for a matrix
 /// [out][in], {n} for a vector.
-inline std::vector<std::int64_t> expected_ne(llama2c::tensor t, const llama2c::config& c) {
-  using llama2c::tensor;
+inline std::vector<std::int64_t> expected_ne(triattn_runner::tensor t, const triattn_runner::config& c) {
+  using triattn_runner::tensor;
   switch (t) {
     case tensor::token_embedding:
     case tensor::wcls: return {c.dim, c.vocab_size};
@@ -131,17 +131,17 @@ inline std::vector<std::int64_t> expected_ne(llama2c::tensor t, const llama2c::c
 /// Loads `path`. Every tensor's sizes are checked against the config, and its data against
 /// the file's length, before anything is allocated or read. Throws `triattn::error` naming
 /// the file and the tensor or key.
-inline llama2c::model load(const std::filesystem::path& path) {
+inline triattn_runner::model load(const std::filesystem::path& path) {
   const char* api = "gguf_model::load";
   const ggml_bridge::gguf_file f(path);
-  const llama2c::config c = read_config(f);
-  const llama2c::tensor_layout layout(c, false);
+  const triattn_runner::config c = read_config(f);
+  const triattn_runner::tensor_layout layout(c, false);
   std::error_code ec;
   const std::uintmax_t file_bytes = std::filesystem::file_size(path, ec);
   TRIATTN_CHECK(!ec, api, path, ": cannot stat the file: ", ec.message());
   std::vector<std::string> names;  // in the runner's packing order
-  for (std::size_t i = 0; i < llama2c::tensor_count; ++i) {
-    const auto t = static_cast<llama2c::tensor>(i);
+  for (std::size_t i = 0; i < triattn_runner::tensor_count; ++i) {
+    const auto t = static_cast<triattn_runner::tensor>(i);
     for (int l = 0; l < static_cast<int>(layout.slices[i]); ++l) {
       std::string name = tensor_name(t, l, c.shared_classifier);
       if (name.empty()) continue;
@@ -162,7 +162,7 @@ inline llama2c::model load(const std::filesystem::path& path) {
     const std::vector<float> w = f.dequantize(name);
     data.insert(data.end(), w.begin(), w.end());
   }
-  return llama2c::model::from_tensors(c, std::move(data));
+  return triattn_runner::model::from_tensors(c, std::move(data));
 }
 
 }  // namespace gguf_model

@@ -1,4 +1,4 @@
-// TriAttention calibration on text the model samples itself (llama2c::calibrate_on_samples),
+// TriAttention calibration on text the model samples itself (triattn_runner::calibrate_on_samples),
 // on the repository's own stories260K (models/stories260K): no data folder needed. A seed
 // gives bit-identical statistics; the windows are distinct stories; the statistics are finite
 // and are exactly those of calibrating on the sampled windows.
@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "llama2c/calibration.hpp"
-#include "llama2c/llama2c.hpp"
+#include "runner/calibration.hpp"
+#include "runner/runner.hpp"
 #include "triattn/triattn.hpp"
 
 namespace {
@@ -24,12 +24,12 @@ namespace fs = std::filesystem;
 
 const fs::path model_dir = TRIATTN_TEST_MODEL_DIR;
 
-const llama2c::model& stories() {
-  static const llama2c::model m = llama2c::model::load(model_dir / "stories260K.bin");
+const triattn_runner::model& stories() {
+  static const triattn_runner::model m = triattn_runner::model::load(model_dir / "stories260K.bin");
   return m;
 }
-const llama2c::tokenizer& tok512() {
-  static const llama2c::tokenizer t = llama2c::tokenizer::load(model_dir / "tok512.bin", 512);
+const triattn_runner::tokenizer& tok512() {
+  static const triattn_runner::tokenizer t = triattn_runner::tokenizer::load(model_dir / "tok512.bin", 512);
   return t;
 }
 
@@ -51,19 +51,19 @@ constexpr std::uint64_t seed = 1;
 }  // namespace
 
 TEST_CASE("calibrate_on_samples: the same seed gives bitwise-equal, finite statistics", "[llama2c][calibration]") {
-  const llama2c::model& m = stories();
+  const triattn_runner::model& m = stories();
   std::vector<std::size_t> progress;
   const triattn::query_stats a =
-      llama2c::calibrate_on_samples(m, windows, seed, 1.0, [&](std::size_t done, std::size_t total) {
+      triattn_runner::calibrate_on_samples(m, windows, seed, 1.0, [&](std::size_t done, std::size_t total) {
         CHECK(total == static_cast<std::size_t>(windows));
         progress.push_back(done);
       });
-  const triattn::query_stats b = llama2c::calibrate_on_samples(m, windows, seed);
+  const triattn::query_stats b = triattn_runner::calibrate_on_samples(m, windows, seed);
   CHECK(progress == std::vector<std::size_t>{1, 2, 3});
   CHECK(bitwise_equal(a, b));
 
   REQUIRE_NOTHROW(a.validate("test"));  // shapes, and every value finite
-  const llama2c::config& c = m.config();
+  const triattn_runner::config& c = m.config();
   CHECK(a.num_layers == c.n_layers);
   CHECK(a.num_q_heads == c.n_heads);
   CHECK(a.num_kv_heads == c.n_kv_heads);
@@ -77,25 +77,25 @@ TEST_CASE("calibrate_on_samples: the same seed gives bitwise-equal, finite stati
   }
 
   // Another seed samples other text, so other statistics.
-  CHECK_FALSE(bitwise_equal(a, llama2c::calibrate_on_samples(m, windows, seed + 1)));
+  CHECK_FALSE(bitwise_equal(a, triattn_runner::calibrate_on_samples(m, windows, seed + 1)));
 }
 
 TEST_CASE("calibrate_on_samples calibrates on windows the model samples, which are distinct stories",
           "[llama2c][calibration]") {
-  const llama2c::model& m = stories();
+  const triattn_runner::model& m = stories();
   const int context = m.config().seq_len;
   // Each window as calibrate_on_samples draws it, one token at a time: BOS, then samples of
   // the logits that followed the token before, from the window's own generator.
-  llama2c::session s(m, context);
+  triattn_runner::session s(m, context);
   std::vector<std::vector<int>> sampled;
   for (int w = 0; w < windows; ++w) {
-    std::mt19937_64 rng = llama2c::window_rng(seed, static_cast<std::size_t>(w));
+    std::mt19937_64 rng = triattn_runner::window_rng(seed, static_cast<std::size_t>(w));
     s.reset();
-    std::vector<int> fed{llama2c::bos_id};
+    std::vector<int> fed{triattn_runner::bos_id};
     for (;;) {
       const std::span<const float> logits = s.forward(fed.back());
       if (fed.size() == static_cast<std::size_t>(context)) break;
-      fed.push_back(llama2c::sample_token(logits, 1.0, rng));
+      fed.push_back(triattn_runner::sample_token(logits, 1.0, rng));
     }
     CHECK(s.position() == context);
     sampled.push_back(std::move(fed));
@@ -104,11 +104,11 @@ TEST_CASE("calibrate_on_samples calibrates on windows the model samples, which a
   std::set<std::string> texts;
   for (const std::vector<int>& window : sampled) {
     REQUIRE(window.size() == static_cast<std::size_t>(context));
-    CHECK(window.front() == llama2c::bos_id);
+    CHECK(window.front() == triattn_runner::bos_id);
     for (const int t : window) REQUIRE((t >= 0 && t < m.config().vocab_size));
     // Mostly learned pieces, not byte fallbacks or <unk>: the model writes text.
     std::size_t pieces = 0;
-    for (const int t : window) pieces += t >= 259 || t == llama2c::bos_id ? 1 : 0;
+    for (const int t : window) pieces += t >= 259 || t == triattn_runner::bos_id ? 1 : 0;
     CHECK(pieces > window.size() * 9 / 10);
     const std::string text = tok512().decode(window);
     CHECK(text.size() > window.size());  // more than a byte a token: words
@@ -119,11 +119,11 @@ TEST_CASE("calibrate_on_samples calibrates on windows the model samples, which a
 
   // The same windows through the shared (batched) calibration loop give the same statistics,
   // bit for bit, and so does every batch size.
-  const triattn::query_stats from_windows = llama2c::calibrate(m, sampled);
-  CHECK(bitwise_equal(from_windows, llama2c::calibrate_on_samples(m, windows, seed)));
+  const triattn::query_stats from_windows = triattn_runner::calibrate(m, sampled);
+  CHECK(bitwise_equal(from_windows, triattn_runner::calibrate_on_samples(m, windows, seed)));
   for (const int batch : {1, 2}) {
     INFO("batch " << batch);
-    const triattn::query_stats b = llama2c::detail::calibrate_windows(
+    const triattn::query_stats b = triattn_runner::detail::calibrate_windows(
         m, sampled.size(), context,
         [&](std::size_t w, int t, std::span<const float>) { return sampled[w][static_cast<std::size_t>(t)]; }, {},
         batch);
@@ -137,12 +137,12 @@ TEST_CASE("sample_token: inverse CDF of softmax(logits / temperature), seeded", 
   std::vector<int> counts(logits.size(), 0), first, second;
   constexpr int draws = 20000;
   for (int i = 0; i < draws; ++i) {
-    const int t = llama2c::sample_token(logits, 1.0, rng);
+    const int t = triattn_runner::sample_token(logits, 1.0, rng);
     REQUIRE((t >= 0 && t < 4));
     ++counts[static_cast<std::size_t>(t)];
     if (i < 100) {
       first.push_back(t);
-      second.push_back(llama2c::sample_token(logits, 1.0, again));
+      second.push_back(triattn_runner::sample_token(logits, 1.0, again));
     }
   }
   CHECK(first == second);
@@ -152,8 +152,8 @@ TEST_CASE("sample_token: inverse CDF of softmax(logits / temperature), seeded", 
   CHECK(std::abs(counts[3] / double{draws} - 0.2) < 0.02);
 
   // A low temperature is (nearly) greedy; a bad one is refused.
-  for (int i = 0; i < 100; ++i) CHECK(llama2c::sample_token(logits, 0.01, rng) == 1);
-  CHECK_THROWS_AS(llama2c::sample_token(logits, 0.0, rng), triattn::error);
-  CHECK_THROWS_AS(llama2c::sample_token(logits, NAN, rng), triattn::error);
-  CHECK_THROWS_AS(llama2c::sample_token({}, 1.0, rng), triattn::error);
+  for (int i = 0; i < 100; ++i) CHECK(triattn_runner::sample_token(logits, 0.01, rng) == 1);
+  CHECK_THROWS_AS(triattn_runner::sample_token(logits, 0.0, rng), triattn::error);
+  CHECK_THROWS_AS(triattn_runner::sample_token(logits, NAN, rng), triattn::error);
+  CHECK_THROWS_AS(triattn_runner::sample_token({}, 1.0, rng), triattn::error);
 }

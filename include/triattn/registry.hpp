@@ -1,0 +1,272 @@
+/// \file triattn/registry.hpp
+/// \brief The registry of triattn's policies: one entry per policy with its name, a one-line
+/// summary, the inputs it needs and its factory. Every list of policies in this repository
+/// (the CLI's usage, errors and dispatch, `triattn_eval`, the demos, the plots, the runner's
+/// tests) reads it, so a new policy is its scorer plus one line here.
+///
+/// `basic_any_policy<View>` erases a policy's type: it forwards `plan(view, budget, ctx)`,
+/// `score`, `round()`, `state()`, `after_compact`, `attach` and `observe`, so it is itself a
+/// triattn policy: `triattn::compress` and `triattn::maybe_compress` take it like the policy
+/// it wraps (the round's position and prompt length travel in the `triattn::round_context`).
+#pragma once
+
+#include <array>
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "triattn/calibration/query_stats.hpp"
+#include "triattn/core/compaction.hpp"
+#include "triattn/core/config.hpp"
+#include "triattn/core/gqa.hpp"
+#include "triattn/core/error.hpp"
+#include "triattn/core/kv_cache_view.hpp"
+#include "triattn/core/round.hpp"
+#include "triattn/core/schedule.hpp"
+#include "triattn/policies/h2o.hpp"
+#include "triattn/policies/policy.hpp"
+#include "triattn/policies/rkv.hpp"
+#include "triattn/policies/snapkv.hpp"
+#include "triattn/policies/streaming_llm.hpp"
+#include "triattn/policies/triattention.hpp"
+#include "triattn/policies/vatp.hpp"
+
+TRIATTN_NAMESPACE_BEGIN
+
+/// Any triattn policy over views of type `View` that states its `round()` options, type-erased.
+template <KVCacheView View>
+class basic_any_policy : public policy_base<basic_any_policy<View>> {
+ public:
+  template <class P>
+    requires(compression_policy<P, View> &&
+             requires(const P& p) { { p.round() } -> std::convertible_to<const round_options&>; })
+  explicit basic_any_policy(P policy) : self_(std::make_unique<holder<P>>(std::move(policy))) {}
+
+  /// The wrapped policy's `name`, or "policy" when its class has none.
+  std::string_view name() const { return self_->name(); }
+  /// The keep plan of a round (the wrapped policy's; changes nothing).
+  keep_plan plan(const View& view, std::int64_t budget, const round_context& ctx = {}) {
+    return self_->plan(view, budget, ctx);
+  }
+  /// The wrapped policy's scores [num_layers x num_kv_heads x num_tokens] (see each policy's
+  /// `score`); throws `triattn::error` for a policy that has none (it keeps slots by
+  /// position alone).
+  void score(const View& view, std::span<float> out) const { self_->score(view, out); }
+  /// The wrapped policy's round options: its schedule is the one `maybe_compress` follows.
+  const round_options& round() const { return self_->round(); }
+  /// Sets the wrapped policy's round options (granularity, schedule) before its first round.
+  void set_round(const round_options& r) { self_->set_round(r); }
+  std::vector<slot_state> state() { return self_->state(); }
+  void after_compact(const View& view, const keep_plan& plan) { self_->after_compact(view, plan); }
+  /// Sizes the policy's state for `view` (policies that observe attention keep per-slot state).
+  void attach(const View& view) { self_->attach(view); }
+  /// One query row of the engine's attention: `q` [head_dim] post-RoPE, `probs` [length].
+  void observe(int layer, int q_head, std::int32_t position, std::span<const float> q, std::span<const float> probs) {
+    self_->observe(layer, q_head, position, q, probs);
+  }
+
+ private:
+  struct base {
+    virtual ~base() = default;
+    virtual std::string_view name() const = 0;
+    virtual keep_plan plan(const View& view, std::int64_t budget, const round_context& ctx) = 0;
+    virtual void score(const View& view, std::span<float> out) const = 0;
+    virtual const round_options& round() const = 0;
+    virtual void set_round(const round_options& r) = 0;
+    virtual std::vector<slot_state> state() = 0;
+    virtual void after_compact(const View& view, const keep_plan& plan) = 0;
+    virtual void attach(const View& view) = 0;
+    virtual void observe(int layer, int q_head, std::int32_t position, std::span<const float> q,
+                         std::span<const float> probs) = 0;
+  };
+  // The optional hooks become no-ops for policies without them, as in triattn::compress.
+  template <class P>
+  struct holder final : base {
+    P policy;
+    explicit holder(P p) : policy(std::move(p)) {}
+    std::string_view name() const override {
+      if constexpr (requires { P::name; }) {
+        return P::name;
+      } else {
+        return "policy";
+      }
+    }
+    keep_plan plan(const View& view, std::int64_t budget, const round_context& ctx) override {
+      if constexpr (requires { policy.plan(view, budget, ctx); }) {
+        return policy.plan(view, budget, ctx);  // the library's policies: policy_base::plan
+      } else {
+        return plan_round(policy, view, budget, ctx, "triattn::any_policy::plan");
+      }
+    }
+    void score(const View& view, std::span<float> out) const override {
+      if constexpr (requires { policy.score(view, out); }) {
+        policy.score(view, out);
+      } else {
+        TRIATTN_CHECK(false, "triattn::any_policy::score", "policy ", name(), " has no score");
+      }
+    }
+    const round_options& round() const override { return policy.round(); }
+    void set_round(const round_options& r) override {
+      if constexpr (requires { policy.config.round; }) {
+        policy.config.round = r;
+      } else {
+        TRIATTN_CHECK(false, "triattn::any_policy::set_round", "policy ", name(), " has fixed round options");
+      }
+    }
+    std::vector<slot_state> state() override {
+      if constexpr (requires(P& p) { p.state(); }) {
+        return policy.state();
+      } else {
+        return {};
+      }
+    }
+    void after_compact(const View& view, const keep_plan& plan) override {
+      if constexpr (requires(P& p) { p.after_compact(view, plan); }) policy.after_compact(view, plan);
+    }
+    void attach(const View& view) override {
+      if constexpr (requires(P& p) { p.attach(view); }) policy.attach(view);
+    }
+    void observe(int layer, int q_head, std::int32_t position, std::span<const float> q,
+                 std::span<const float> probs) override {
+      if constexpr (requires(P& p) { p.observe(layer, q_head, position, q, probs); })
+        policy.observe(layer, q_head, position, q, probs);
+    }
+  };
+  std::unique_ptr<base> self_;
+};
+
+/// The type-erased policy over the library's dense views, which the programs use.
+using any_policy = basic_any_policy<dense_kv_view>;
+
+/// What a policy reads besides the cache's keys at a round, so that a caller knows what to
+/// feed it: the values, the queries of a recent window (`observe` with a query and no
+/// probabilities), rows of attention probabilities (`observe` with probabilities), or
+/// calibration statistics (`policy_inputs::stats`).
+struct policy_needs {
+  bool values = false;
+  bool queries = false;
+  bool attention = false;
+  bool stats = false;
+};
+
+/// What some policies need besides the cache, and the caller's overrides.
+struct policy_inputs {
+  const query_stats* stats = nullptr;  ///< TriAttention's calibration statistics
+  /// When set, the schedule `maybe_compress` follows (`config.round.sched`) instead of the
+  /// policy's own: the demo and triattn_eval run every policy on one trigger.
+  std::optional<schedule> sched;
+  /// When set, how the policies that aggregate over a GQA group do it (the CLI's --gqa).
+  std::optional<gqa_aggregation> gqa;
+  /// When set, the recent queries that the policies reading queries score with and always
+  /// keep (the CLI sets it to the rows of --queries).
+  std::optional<int> window;
+};
+
+/// The name of the uncompressed reference (no policy class).
+inline constexpr std::string_view full_name = "full";
+
+/// One policy of the registry. `make` is null for `full`, the uncompressed reference, and
+/// only for it.
+template <KVCacheView View>
+struct basic_policy_entry {
+  std::string_view name;
+  std::string_view summary;
+  basic_any_policy<View> (*make)(const policy_inputs&) = nullptr;
+  policy_needs needs{};
+  /// Whether `policy_inputs::gqa` applies: the policy combines a GQA group's scores by a
+  /// `gqa_aggregation` (read off its config, not listed by hand).
+  bool takes_gqa = false;
+
+  /// A fresh policy, or std::nullopt for `full`. Throws `triattn::error` when the policy
+  /// needs statistics and `in` has none.
+  std::optional<basic_any_policy<View>> create(const policy_inputs& in = {}) const {
+    TRIATTN_CHECK(!needs.stats || in.stats != nullptr, "triattn::policy_entry::create", "policy ", name,
+                  " needs calibration statistics (--stats)");
+    return make != nullptr ? std::optional(make(in)) : std::nullopt;
+  }
+  /// Whether the entry compresses (every entry but `full`). By name, not by `make`: comparing
+  /// a lambda's function pointer with null is not a constant expression under UBSan.
+  constexpr bool compresses() const { return name != full_name; }
+};
+
+using policy_entry = basic_policy_entry<dense_kv_view>;
+
+namespace detail {
+
+/// `policy` with the caller's overrides, if any, type-erased.
+template <KVCacheView View, class P>
+basic_any_policy<View> configured(P policy, const policy_inputs& in) {
+  if (in.sched) policy.config.round.sched = *in.sched;
+  if constexpr (requires { policy.config.gqa; }) {
+    if (in.gqa) policy.config.gqa = *in.gqa;
+  }
+  if constexpr (requires { policy.config.window; }) {
+    if (in.window) policy.config.window = *in.window;
+  }
+  return basic_any_policy<View>(std::move(policy));
+}
+
+/// The registry entry of policy class `P`: its name is `P::name`, and `make_policy()` its
+/// default configuration.
+template <KVCacheView View, class P, auto make_policy>
+constexpr basic_policy_entry<View> entry(std::string_view summary, policy_needs needs = {}) {
+  return {P::name, summary, [](const policy_inputs& in) { return configured<View>(make_policy(in), in); }, needs,
+          requires(P p) { p.config.gqa = gqa_aggregation::mean; }};
+}
+
+}  // namespace detail
+
+/// The registry: every policy the programs offer, in the order they list them, for views of
+/// type `View` (`policy_registry` for the library's dense views).
+template <KVCacheView View>
+inline constexpr std::array policy_registry_for{
+    basic_policy_entry<View>{.name = full_name, .summary = "no compression: the reference cache"},
+    detail::entry<View, streaming_llm, [](const policy_inputs&) { return streaming_llm{}; }>(
+        "4 attention sinks + the most recent tokens (Xiao et al. 2023)"),
+    detail::entry<View, h2o, [](const policy_inputs&) { return h2o{}; }>(
+        "heavy hitters by accumulated attention + the most recent (Zhang et al. 2023)", {.attention = true}),
+    detail::entry<View, snapkv, [](const policy_inputs&) { return snapkv(snapkv_config::decode()); }>(
+        "votes of the last 8 queries, max-pooled (Li et al. 2024; decode-time variant)", {.queries = true}),
+    detail::entry<View, vatp, [](const policy_inputs&) { return vatp{}; }>(
+        "H2O's score x value L1 norm, 4 sinks (Guo et al. 2024)", {.values = true, .attention = true}),
+    detail::entry<View, rkv, [](const policy_inputs&) { return rkv(rkv_config::paper()); }>(
+        "importance minus redundancy of the last 8 queries (Cai et al. 2025)", {.queries = true}),
+    detail::entry<View, triattention, [](const policy_inputs& in) { return triattention(*in.stats); }>(
+        "calibrated query centres predict attention from distance (paper defaults: one keep set per KV head, "
+        "offsets to 65536)",
+        {.stats = true}),
+};
+
+inline constexpr const auto& policy_registry = policy_registry_for<dense_kv_view>;
+
+/// The entry called `name`, or nullptr.
+template <KVCacheView View = dense_kv_view>
+constexpr const basic_policy_entry<View>* find_policy(std::string_view name) {
+  for (const basic_policy_entry<View>& e : policy_registry_for<View>)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+/// The registry's names, in order; without `full` when `compressing_only`.
+inline std::vector<std::string_view> policy_name_list(bool compressing_only = false) {
+  std::vector<std::string_view> out;
+  for (const policy_entry& e : policy_registry)
+    if (!compressing_only || e.compresses()) out.push_back(e.name);
+  return out;
+}
+
+/// "full, streaming_llm, ...": the known names, for messages; without `full` when
+/// `compressing_only`.
+inline std::string policy_names(bool compressing_only = false) {
+  std::string out;
+  for (const std::string_view n : policy_name_list(compressing_only)) out += (out.empty() ? "" : ", ") + std::string(n);
+  return out;
+}
+
+TRIATTN_NAMESPACE_END
