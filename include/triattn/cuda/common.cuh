@@ -209,11 +209,6 @@ __device__ void load_value_row(const V& view, int l, int h, std::int64_t s, floa
   load_row(value_accessor_of(view, l), view.value(l, h, s), view.geometry().head_dim, out);
 }
 
-/// Element `d` of key row `key` (scaled), for kernels that walk a key element by element (tiles,
-/// dot products). Decodes by `kv_geometry::type` and `k_scale`, as the built-in views' accessors do.
-__device__ inline float key_element(const std::byte* key, const kv_geometry& g, int d) {
-  return load_element(key, g.type, static_cast<std::size_t>(d)) * g.k_scale;
-}
 #endif
 
 }  // namespace detail

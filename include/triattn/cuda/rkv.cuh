@@ -1,7 +1,8 @@
 /// \file triattn/cuda/rkv.cuh
 /// \brief R-KV on the GPU: the device scorer of `plan_round` (round.cuh). The window
 /// attention (window_attention.cuh, the group's max logit averaged over the rows) gives the
-/// importance; the redundancy is computed on 16 x 16 tiles of unit keys in shared memory:
+/// importance; the redundancy is computed on 16 x 16 tiles of unit keys in shared memory
+/// (each tile's 16 keys read whole through the view's accessor, `load_unit_rows`):
 /// - `rkv_newest` finds each key's newest near-duplicate, scanning column tiles newest first
 ///   and stopping once every row of the tile has one;
 /// - `rkv_column_means` sums every column over all rows in a fixed order;
@@ -29,30 +30,37 @@ TRIATTN_NAMESPACE_BEGIN
 namespace cuda {
 namespace detail {
 
-/// The tile of unit-key dot products S[r0 + ty, c0 + tx] for this thread (ty, tx) =
-/// (threadIdx.x / side, threadIdx.x % side): rows r0.. go through `a`, rows c0.. through `b`,
-/// head_dim in chunks of `side`, zero outside [0, n). Every thread of the block must call it.
-/// The sum runs over d in order, so S[r, j] and S[j, r] are the same float.
+/// 16 unit keys of one (layer, kv_head) in shared memory: row i is key `first + i` read
+/// through the view's accessor (`load_key_row`) and divided by its divisor, zero past n.
+/// A row is padded by one float so that the 16 rows of a column read fall in different banks.
+using unit_rows = float[similarity_tile][max_head_dim + 1];
+
+/// Fills `rows` (see `unit_rows`). Every thread of the block must call it; it starts with a
+/// barrier (every thread is done with the old rows) and ends with one (the new rows are
+/// visible). An accessor decodes whole rows, so one thread reads each row, then the block divides.
 template <KVCacheView V>
-__device__ float unit_dot_tile(const V& view, int l, int h, const kv_geometry& g, const float* divisors, std::int64_t n,
-                               std::int64_t r0, std::int64_t c0, float (&a)[similarity_tile][similarity_tile + 1],
-                               float (&b)[similarity_tile][similarity_tile + 1]) {
+__device__ void load_unit_rows(const V& view, int l, int h, int head_dim, const float* divisors, std::int64_t n,
+                               std::int64_t first, unit_rows& rows) {
+  constexpr int side = similarity_tile;
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < side && first + threadIdx.x < n)
+    load_key_row(view, l, h, first + threadIdx.x, rows[threadIdx.x]);
+  __syncthreads();
+  for (int e = static_cast<int>(threadIdx.x); e < side * head_dim; e += static_cast<int>(blockDim.x)) {
+    const int i = e / head_dim, d = e % head_dim;
+    rows[i][d] = first + i < n ? rows[i][d] / divisors[first + i] : 0.0f;
+  }
+  __syncthreads();
+}
+
+/// The unit-key dot product S[r0 + ty, c0 + tx] for this thread (ty, tx) = (threadIdx.x /
+/// side, threadIdx.x % side), rows r0.. in `a` and c0.. in `b` (`load_unit_rows`). The sum runs
+/// over d in order, so S[r, j] and S[j, r] are the same float.
+__device__ inline float unit_dot(const unit_rows& a, const unit_rows& b, int head_dim) {
   constexpr int side = similarity_tile;
   const int tx = static_cast<int>(threadIdx.x) % side, ty = static_cast<int>(threadIdx.x) / side;
-  const std::int64_t ra = r0 + ty, rb = c0 + ty;
   float s = 0.0f;
-  for (int d0 = 0; d0 < g.head_dim; d0 += side) {
-    const int d = d0 + tx;
-    a[ty][tx] = ra < n && d < g.head_dim
-                    ? key_element(view.key(l, h, ra), g, d) / divisors[ra]
-                    : 0.0f;
-    b[ty][tx] = rb < n && d < g.head_dim
-                    ? key_element(view.key(l, h, rb), g, d) / divisors[rb]
-                    : 0.0f;
-    __syncthreads();
-    for (int k = 0; k < side; ++k) s += a[ty][k] * b[tx][k];
-    __syncthreads();
-  }
+  for (int d = 0; d < head_dim; ++d) s += a[ty][d] * b[tx][d];
   return s;
 }
 
@@ -63,7 +71,7 @@ __global__ void __launch_bounds__(Threads) rkv_newest(view_batch<V> batch, windo
                                                       const float* divisors, std::int32_t* newest) {
   constexpr int side = similarity_tile;
   static_assert(Threads == side * side, "one thread per tile cell");
-  __shared__ float a[side][side + 1], b[side][side + 1];
+  __shared__ unit_rows a, b;  // the row tile's unit keys, the column tile's
   __shared__ int best[side];
   const std::int64_t s = blockIdx.x;
   const segment_id id = segment_of(s, batch.geometry);
@@ -71,13 +79,16 @@ __global__ void __launch_bounds__(Threads) rkv_newest(view_batch<V> batch, windo
   const std::int64_t n = view.length(id.l, id.h);
   if (!window_scored(p, id.b, n)) return;
   const std::int64_t seg_row = s * batch.capacity, tiles = (n + side - 1) / side;
+  const int head_dim = batch.geometry.head_dim;
   const int tx = static_cast<int>(threadIdx.x) % side, ty = static_cast<int>(threadIdx.x) / side;
   for (std::int64_t rt = blockIdx.y; rt < tiles; rt += gridDim.y) {
     const std::int64_t r0 = rt * side, r = r0 + ty;
-    if (static_cast<int>(threadIdx.x) < side) best[threadIdx.x] = 0;  // visible after unit_dot_tile's first barrier
+    if (static_cast<int>(threadIdx.x) < side) best[threadIdx.x] = 0;  // visible after load_unit_rows' barriers
+    load_unit_rows(view, id.l, id.h, head_dim, divisors + seg_row, n, r0, a);
     for (std::int64_t ct = tiles - 1; ct >= 0; --ct) {
       const std::int64_t j = ct * side + tx;
-      const float dot = unit_dot_tile(view, id.l, id.h, batch.geometry, divisors + seg_row, n, r0, ct * side, a, b);
+      load_unit_rows(view, id.l, id.h, head_dim, divisors + seg_row, n, ct * side, b);
+      const float dot = unit_dot(a, b, head_dim);
       if (r < n && j < n && rkv_duplicate_candidate(rkv_similarity(dot, r, j), j, threshold))
         atomicMax(&best[ty], static_cast<int>(j));
       __syncthreads();
@@ -85,7 +96,7 @@ __global__ void __launch_bounds__(Threads) rkv_newest(view_batch<V> batch, windo
       if (__syncthreads_and(r >= n || best[ty] > 0)) break;
     }
     if (static_cast<int>(threadIdx.x) < side && r0 + threadIdx.x < n) newest[seg_row + r0 + threadIdx.x] = best[threadIdx.x];
-    __syncthreads();  // `best` is reset by the next row tile
+    __syncthreads();  // `best` is reset by the next row tile (`a` is reloaded behind a barrier)
   }
 }
 
@@ -97,20 +108,24 @@ __global__ void __launch_bounds__(Threads) rkv_column_means(view_batch<V> batch,
                                                             const std::int32_t* newest, float* means) {
   constexpr int side = similarity_tile;
   static_assert(Threads == side * side, "one thread per tile cell");
-  __shared__ float a[side][side + 1], b[side][side + 1], part[side][side + 1];
+  __shared__ unit_rows a, b;  // the row tile's unit keys, the column tile's
+  __shared__ float part[side][side + 1];
   const std::int64_t s = blockIdx.x;
   const segment_id id = segment_of(s, batch.geometry);
   const V& view = batch.views[id.b];
   const std::int64_t n = view.length(id.l, id.h);
   if (!window_scored(p, id.b, n)) return;
   const std::int64_t seg_row = s * batch.capacity, tiles = (n + side - 1) / side;
+  const int head_dim = batch.geometry.head_dim;
   const int tx = static_cast<int>(threadIdx.x) % side, ty = static_cast<int>(threadIdx.x) / side;
   for (std::int64_t ct = blockIdx.y; ct < tiles; ct += gridDim.y) {
     const std::int64_t c0 = ct * side, j = c0 + tx;
+    load_unit_rows(view, id.l, id.h, head_dim, divisors + seg_row, n, c0, b);
     float sum = 0.0f;
     for (std::int64_t rt = 0; rt < tiles; ++rt) {
       const std::int64_t r = rt * side + ty;
-      const float dot = unit_dot_tile(view, id.l, id.h, batch.geometry, divisors + seg_row, n, rt * side, c0, a, b);
+      load_unit_rows(view, id.l, id.h, head_dim, divisors + seg_row, n, rt * side, a);
+      const float dot = unit_dot(a, b, head_dim);
       if (r < n && j < n) sum += rkv_column_term(rkv_similarity(dot, r, j), j, newest[seg_row + r]);
     }
     part[ty][tx] = sum;

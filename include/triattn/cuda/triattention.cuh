@@ -7,9 +7,10 @@
 ///    (`triattention_coefficient_row`) from the calibrated stats and each sequence's round
 ///    start, once per round, on the device (one thread per band: phasors in double, as the CPU
 ///    forms them);
-/// 2. scores: one thread per (sequence, layer, kv_head, slot) reads its key once with 16-byte
-///    loads, decodes f16/bf16/fp8 to fp32 (times k_scale), forms the bands and |K_f| once for
-///    the GQA group and writes one score per q-head, accumulating in fp32;
+/// 2. scores: one thread per (sequence, layer, kv_head, slot) reads its key once through the
+///    view's accessor (`load_key_row`: 16-byte loads of f16/bf16/fp8 decoded to fp32 times
+///    k_scale, or the view's own `key_accessor`), forms the bands and |K_f| once for the GQA
+///    group and writes one score per q-head, accumulating in fp32;
 /// 3. z-scores per (sequence, layer, q_head) row over the candidate slots (double sums);
 /// 4. the GQA reduction into one row per (sequence, layer, kv_head).
 /// Every formula is triattention_math.hpp's: the CPU scorer calls the same functions.

@@ -8,6 +8,10 @@
 /// segment that fits is kept whole, unread, as on the CPU); its last `window` slots score
 /// +inf, and so do all slots of a segment that is not scored.
 ///
+/// Keys are read as whole rows through the view's accessor (`load_key_row`: the view's
+/// `key_accessor` hook, else its dtype and `k_scale`), as the CPU policies read them, so an
+/// engine's own element encoding scores the same on both sides.
+///
 /// **Kernels** (segment s = (b * layers + l) * kv_heads + h, `segment_of`):
 /// 1. `window_prepare`: one thread per slot checks the key is finite (else the status word
 ///    becomes `non_finite_key`) and, for R-KV, stores the divisor of its unit key.
@@ -98,10 +102,10 @@ struct block_all_reduce {
   __device__ float sum(float v) { return broadcast(reduce(temp).Sum(v)); }
 };
 
-/// q·k in fp32 for key row `key` (scaled) and a query `q` [head_dim].
-__device__ inline float key_dot(const std::byte* key, const kv_geometry& g, const float* q) {
+/// q·k in fp32 for a decoded key `key` and a query `q`, both [head_dim].
+__device__ inline float key_dot(const float* key, int head_dim, const float* q) {
   float s = 0.0f;
-  for (int d = 0; d < g.head_dim; ++d) s += key_element(key, g, d) * q[d];
+  for (int d = 0; d < head_dim; ++d) s += key[d] * q[d];
   return s;
 }
 
@@ -115,14 +119,15 @@ __global__ void __launch_bounds__(Threads) window_prepare(view_batch<V> batch, w
   const V& view = batch.views[id.b];
   const std::int32_t n = view.length(id.l, id.h);
   if (!window_scored(p, id.b, n)) return;
-  const kv_geometry& g = batch.geometry;
+  const int head_dim = batch.geometry.head_dim;
+  float key[max_head_dim];
   for (std::int64_t j = blockIdx.y * static_cast<std::int64_t>(Threads) + threadIdx.x; j < n;
        j += static_cast<std::int64_t>(gridDim.y) * Threads) {
-    const std::byte* key = view.key(id.l, id.h, j);
+    load_key_row(view, id.l, id.h, j, key);
     float squared = 0.0f;
     bool finite = true;
-    for (int d = 0; d < g.head_dim; ++d) {
-      const float x = key_element(key, g, d);
+    for (int d = 0; d < head_dim; ++d) {
+      const float x = key[d];
       finite = finite && isfinite(x);
       squared += x * x;
     }
@@ -153,17 +158,18 @@ __global__ void __launch_bounds__(Threads) window_attention(view_batch<V> batch,
   float* x = logits + row;
   float* out = acc + row;
   const float scale = window_logit_scale(head_dim);
+  float key[max_head_dim];
   for (std::int64_t j = threadIdx.x; j < prefix; j += Threads) out[j] = 0.0f;
   for (int i = 0; i < p.q.rows; ++i) {
     const std::int32_t query_position = p.q.positions[static_cast<std::int64_t>(id.b) * p.q.rows + i];
     float top = -INFINITY;
     for (std::int64_t j = threadIdx.x; j < keys; j += Threads) {
-      const std::byte* key = view.key(id.l, id.h, j);
+      load_key_row(view, id.l, id.h, j, key);  // once for the group's q-heads
       const std::int32_t key_position = view.position(id.l, id.h, j);
       float best = -INFINITY;
       for (int k = first_head; k < first_head + heads; ++k) {
         const float* q = p.q.queries + ((s * group + k) * p.q.rows + i) * head_dim;
-        best = fmaxf(best, window_logit(key_dot(key, g, q), scale, key_position, query_position));
+        best = fmaxf(best, window_logit(key_dot(key, head_dim, q), scale, key_position, query_position));
       }
       x[j] = best;
       top = fmaxf(top, best);
