@@ -13,7 +13,7 @@
 // Between iterations the lengths and positions are restored (not timed): the rows compaction
 // overwrote then hold other keys of the same distribution, which costs the same to score.
 // The counter `same_keep_sets` is 1 when the plans at 1 and 2 threads are identical.
-// `bench/cpu_ratios.py` turns a JSON run into the ratios README quotes.
+// `bench/cpu_ratios.py` turns a JSON run into the ratios docs/performance.md quotes.
 #include <benchmark/benchmark.h>
 
 #include <cmath>

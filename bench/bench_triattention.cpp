@@ -7,7 +7,7 @@
 //                  f16 through the hardware's conversion where the compiler has one);
 //   score_post   – `triattention::score` over post-RoPE keys;
 //   score_pre    – the same keys declared pre-RoPE (rotated to their positions per key).
-// `bench/cpu_ratios.py` turns a JSON run into the ratios README and bench/RESULTS.md quote.
+// `bench/cpu_ratios.py` turns a JSON run into the ratios docs/performance.md and bench/RESULTS.md quote.
 #include <benchmark/benchmark.h>
 #if defined(__F16C__)
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU benchmarks of issue 14 in one run: builds them (-march=native, Release), runs both
 # (medians of 5 repetitions, interleaved in random order so that a machine that slows down
-# slows every benchmark alike, 1 s each), prints the ratios README quotes, then the PyTorch
+# slows every benchmark alike, 1 s each), prints the ratios docs/performance.md quotes, then the PyTorch
 # comparison (skipped with a message when no python3 on PATH or /usr/bin has torch).
 #
 #   bench/cpu.sh [OUT_DIR]      # JSON runs land in OUT_DIR (default build/bench-cpu)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Prints the CPU ratios README and bench/RESULTS.md quote from one run of the two CPU
-benchmarks (standard library only; bench/cpu.sh runs everything):
+"""Prints the CPU ratios docs/performance.md and bench/RESULTS.md quote from one run of the two
+CPU benchmarks (standard library only; bench/cpu.sh runs everything):
 
   python3 bench/cpu_ratios.py TRIATTENTION_JSON ROUND_JSON
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# triattn inside llama.cpp, measured in one command (README "Using triattn in llama.cpp"):
+# triattn inside llama.cpp, measured in one command (docs/llamacpp.md):
 # quality against llama.cpp with a full cache, the time triattn takes beside llama.cpp's
 # decoding, a long answer through a small cache, and two answers side by side.
 #

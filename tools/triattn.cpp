@@ -1,5 +1,5 @@
 // triattn: the command-line tool. The contract is shared/spec/cli.md (commands, .npy shapes
-// and dtypes, errors); README's "Command-line tool" section documents it for users.
+// and dtypes, errors); docs/cli.md documents it for users.
 //
 //   triattn score <policy>  --keys K.npy ... --out SCORES.npy
 //   triattn select <policy> --keys K.npy ... --budget B [--granularity G] --out KEEP.npy
@@ -404,9 +404,9 @@ int select_triattention(const options& o) {
 }
 
 // ------------------------------------------------------------------------------------------
-// The policies that read attention rows or a query window (the registry's `needs`), through
-// one path: their inputs read and checked, the policy made by the registry, fed, then scored
-// or asked for keep sets.
+// Every policy without options of its own, through one path: the inputs its registry entry
+// needs read and checked, the policy made by the registry, fed, then scored or asked for keep
+// sets.
 
 /// An input array checked against [num_layers, -, -, n] of the keys; returns its second axis
 /// (the q-heads), which must be a multiple of the kv-heads.
@@ -465,8 +465,9 @@ triattn::gqa_aggregation gqa_option(const options& o) {
 /// The shape of an input a policy needs, for the usage error when it is missing.
 constexpr const char* values_shape = "[num_layers, num_kv_heads, num_tokens, head_dim]";
 
-/// Runs `score` or `select` for a policy that observes attention rows or a query window.
-int run_observing(const options& o, bool select, const triattn::policy_entry& entry) {
+/// Runs `score` or `select` for a registry policy: the inputs its entry needs are read and
+/// checked, the policy made by the registry and fed them.
+int run_registry_policy(const options& o, bool select, const triattn::policy_entry& entry) {
   if (entry.needs.values && !o.has("--values"))
     throw usage_error{std::string(entry.name) + " needs --values " + values_shape};
   triattn::policy_inputs in;
@@ -475,8 +476,11 @@ int run_observing(const options& o, bool select, const triattn::policy_entry& en
   // --positions is triattention's input, ignored here like every input a command does not use.
   npy_cache cache(o.required("--keys"), std::nullopt);
   if (const auto values = o.optional_value("--values")) cache.add_values(*values);
-  const observed_rows r = entry.needs.attention ? read_attention(o, cache) : read_queries(o, cache);
-  if (!r.probs) in.window = static_cast<int>(r.rows);  // the query window is the rows given
+  // A policy that reads only the cache observes nothing: one q-head per kv-head.
+  const observed_rows r = entry.needs.attention ? read_attention(o, cache)
+                          : entry.needs.queries ? read_queries(o, cache)
+                                                : observed_rows{{}, cache.kv_heads(), 0, 0, false};
+  if (entry.needs.queries) in.window = static_cast<int>(r.rows);  // the query window is the rows given
   triattn::any_policy policy = *entry.create(in);
   const triattn::dense_kv_view view = cache.view(r.q_heads, triattn::key_state::post_rope, triattn::rope_desc{});
   policy.attach(view);
@@ -696,11 +700,11 @@ int triattention_command(const options& o, bool select) {
 }
 
 /// `score` or `select` for the policy of `entry`: streaming_llm and triattention have options
-/// of their own; every policy that observes attention or queries goes through one path.
+/// of their own; every other policy goes through one path, fed what its entry needs.
 int policy_command(const options& o, bool select, const triattn::policy_entry& entry) {
   if (entry.name == triattn::streaming_llm::name) return streaming_llm_command(o, select);
   if (entry.name == triattn::triattention::name) return triattention_command(o, select);
-  return run_observing(o, select, entry);
+  return run_registry_policy(o, select, entry);
 }
 
 /// "h2o, snapkv": the compressing policies for which `pick` holds, for the usage text.
