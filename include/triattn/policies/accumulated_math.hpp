@@ -1,6 +1,7 @@
 /// \file triattn/policies/accumulated_math.hpp
-/// \brief The per-element arithmetic of H2O and VATP, written once for the CPU policies
-/// (attention_accumulator.hpp, h2o.hpp, vatp.hpp) and the CUDA kernels (cuda/accumulated.cuh).
+/// \brief The per-element arithmetic of H2O and the policies built on accumulated attention,
+/// written once for the CPU policies (attention_accumulator.hpp, h2o.hpp and the policies
+/// derived from it) and the CUDA kernels (cuda/accumulated.cuh).
 ///
 /// Both paths call these functions element by element, so a change to a formula reaches both
 /// at once and the GPU reproduces the CPU's floats. Nothing here needs Eigen, exceptions or
@@ -57,7 +58,7 @@ inline h2o_split split_budget(std::int64_t budget, std::optional<std::int64_t> h
   return split_budget(budget, heavy.value_or(-1), recent.value_or(-1), sinks);
 }
 
-/// An H2O / VATP budget as a config describes it, in a form both paths read: counts, or ratios
+/// An H2O-style budget as a config describes it, in a form both paths read: counts, or ratios
 /// of the prompt length (Python's int()), negative when unset.
 struct h2o_budget {
   std::int64_t heavy = -1, recent = -1;
@@ -106,14 +107,16 @@ TRIATTN_HOST_DEVICE float accumulated_score(const float* sums, int group, std::i
 }
 
 /// ‖v‖₁ of a value row `v` [n], summed in slot order (one order for both paths, hence the same
-/// float). VATP weighs a token by it; a non-finite result is an error on both paths.
+/// float). A policy that weights the score by the value norm weighs a token by it; a
+/// non-finite result is an error on both paths.
 TRIATTN_HOST_DEVICE float value_l1_norm(const float* v, int n) {
   float acc = 0.0f;
   for (int d = 0; d < n; ++d) acc += std::fabs(v[d]);
   return acc;
 }
 
-/// VATP's score of a slot: its accumulated attention times its value's L1 norm.
+/// The score of a slot for a policy that weights the score by the value norm: its accumulated
+/// attention times its value's L1 norm.
 TRIATTN_HOST_DEVICE float value_weighted_score(float attention, float value_norm) { return attention * value_norm; }
 
 TRIATTN_NAMESPACE_END

@@ -1,5 +1,6 @@
 /// \file triattn/policies/attention_accumulator.hpp
-/// \brief Accumulated attention per (layer, q-head, slot): the state that H2O and VATP score.
+/// \brief Accumulated attention per (layer, q-head, slot): the state that H2O and the policies
+/// built on it score.
 ///
 /// The library never owns the attention computation. After each attention the engine hands
 /// the probabilities of every new query row to `observe`; the accumulator adds them to a

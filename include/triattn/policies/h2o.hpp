@@ -20,9 +20,10 @@
 /// B − B/2 unless heavy or recent are configured, as slot counts or as fractions of the prompt
 /// length; B caps them (recent first, then heavy, then the sinks within heavy).
 ///
-/// **Prompt scoring.** `prompt_scoring::last_window` is Scissorhands as the VATP repository
-/// runs it: of the prompt's rows only the last `scissorhands_window` count, each weighted
-/// 1 / window (whatever the prompt's length); decode rows add in full.
+/// **Prompt scoring.** `prompt_scoring::last_window` is Scissorhands as the value-weighted
+/// variant's reference repository runs it: of the prompt's rows only the last
+/// `scissorhands_window` count, each weighted 1 / window (whatever the prompt's length); decode
+/// rows add in full.
 ///
 /// **Differences from the reference** (FMInference/H2O): the sums are fp32 (the reference adds
 /// the probabilities in the model's fp16/bf16); a round cuts to exactly heavy + recent (the
@@ -97,8 +98,8 @@ struct accumulated_policy_names {
   const char* after_compact;
 };
 
-/// Everything H2O and VATP share: the config, the accumulated attention, prompt scoring, the
-/// budget split and the selection. `Derived` names its API (`Derived::names`) and ranks slots
+/// Everything a policy built on accumulated attention shares with H2O: the config, the
+/// accumulated attention, prompt scoring, the budget split and the selection. `Derived` names its API (`Derived::names`) and ranks slots
 /// with `row_score(api, view, layer, kv_head, out)`.
 template <class Derived, class Config>
 class accumulated_attention_policy : public policy_base<Derived> {
@@ -139,7 +140,7 @@ class accumulated_attention_policy : public policy_base<Derived> {
   }
 
   /// The policy's scores into `out` [layers, kv_heads, capacity]; slots >= length of their
-  /// (layer, kv_head) are left as they are. What `triattn score h2o` / `vatp` writes.
+  /// (layer, kv_head) are left as they are. What `triattn score` writes for the policy.
   template <KVCacheView V>
   void score(const V& view, std::span<float> out) const {
     const char* api = Derived::names.score;
