@@ -87,10 +87,20 @@ struct kv_strides {
 /// Token bookkeeping shared by both models, owned by the engine:
 /// `lengths` [num_layers, num_kv_heads] valid slots per (layer, kv_head);
 /// `positions` [num_layers, num_kv_heads, capacity] the token position held by each slot.
+/// The views forward `length`, `set_length` and `position` here, so the indexing is written once.
 struct slot_table {
   std::int32_t* lengths = nullptr;
   std::int32_t* positions = nullptr;
   std::int64_t capacity = 0;  ///< slots per (layer, kv_head)
+
+  /// The valid slots of (l, h) in a cache of `num_kv_heads` KV heads per layer.
+  TRIATTN_HOST_DEVICE std::int32_t& length(int num_kv_heads, int l, int h) const {
+    return lengths[l * num_kv_heads + h];
+  }
+  /// The token position held by slot `s` of (l, h).
+  TRIATTN_HOST_DEVICE std::int32_t& position(int num_kv_heads, int l, int h, std::int64_t s) const {
+    return positions[(static_cast<std::int64_t>(l) * num_kv_heads + h) * capacity + s];
+  }
 };
 
 /// The KVCacheView concept.
@@ -136,8 +146,18 @@ inline void validate_elements(const char* api, const kv_geometry& g) {
                 " must be finite and > 0");
 }
 
-/// Checks the parts of a view that both models share.
-inline void validate_common(const char* api, const kv_geometry& g, const slot_table& t) {
+/// A typed view must describe a cache of its own type.
+template <class Element>
+void validate_element_type(const char* api, const kv_geometry& g) {
+  if constexpr (!std::is_same_v<Element, any_element>)
+    TRIATTN_CHECK(g.type == dtype_of<Element>, api, "the view's element type is ", dtype_name(dtype_of<Element>),
+                  " but its geometry says ", dtype_name(g.type));
+}
+
+/// Checks the parts of a view that both models share: the geometry, the element type of a
+/// typed view, the slot table.
+template <class Element>
+void validate_common(const char* api, const kv_geometry& g, const slot_table& t) {
   validate_elements(api, g);
   TRIATTN_CHECK(g.num_layers > 0, api, "num_layers ", g.num_layers, " must be >= 1");
   TRIATTN_CHECK(g.num_kv_heads > 0, api, "num_kv_heads ", g.num_kv_heads, " must be >= 1");
@@ -156,6 +176,7 @@ inline void validate_common(const char* api, const kv_geometry& g, const slot_ta
                   i / g.num_kv_heads, " kv_head ", i % g.num_kv_heads, " is outside [0, capacity ", t.capacity,
                   "]");
   }
+  validate_element_type<Element>(api, g);
 }
 
 /// The accessor of a built-in view's K or V: compile-time when `Element` is a storage type.
@@ -174,13 +195,6 @@ TRIATTN_HOST_DEVICE std::int64_t element_bytes(const kv_geometry& g) {
   } else {
     return static_cast<std::int64_t>(sizeof(Element));
   }
-}
-/// A typed view must describe a cache of its own type.
-template <class Element>
-void validate_element_type(const char* api, const kv_geometry& g) {
-  if constexpr (!std::is_same_v<Element, any_element>)
-    TRIATTN_CHECK(g.type == dtype_of<Element>, api, "the view's element type is ", dtype_name(dtype_of<Element>),
-                  " but its geometry says ", dtype_name(g.type));
 }
 }  // namespace detail
 
@@ -206,17 +220,14 @@ struct basic_dense_kv_view {
   }
   TRIATTN_HOST_DEVICE auto key_accessor(int) const { return detail::element_accessor<Element>(geo, geo.k_scale); }
   TRIATTN_HOST_DEVICE auto value_accessor(int) const { return detail::element_accessor<Element>(geo, geo.v_scale); }
-  TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.lengths[l * geo.num_kv_heads + h]; }
-  TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const {
-    slots.lengths[l * geo.num_kv_heads + h] = n;
-  }
+  TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.length(geo.num_kv_heads, l, h); }
+  TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const { slots.length(geo.num_kv_heads, l, h) = n; }
   TRIATTN_HOST_DEVICE std::int32_t& position(int l, int h, std::int64_t s) const {
-    return slots.positions[(static_cast<std::int64_t>(l) * geo.num_kv_heads + h) * slots.capacity + s];
+    return slots.position(geo.num_kv_heads, l, h, s);
   }
 
   void validate(const char* api) const {
-    detail::validate_common(api, geo, slots);
-    detail::validate_element_type<Element>(api, geo);
+    detail::validate_common<Element>(api, geo, slots);
     TRIATTN_CHECK(k_layers != nullptr && v_layers != nullptr, api, "k_layers/v_layers is null");
     for (int l = 0; l < geo.num_layers; ++l) {
       TRIATTN_CHECK(k_layers[l] != nullptr, api, "K base pointer of layer ", l, " is null");
@@ -249,12 +260,10 @@ struct basic_paged_kv_view {
   }
   TRIATTN_HOST_DEVICE auto key_accessor(int) const { return detail::element_accessor<Element>(geo, geo.k_scale); }
   TRIATTN_HOST_DEVICE auto value_accessor(int) const { return detail::element_accessor<Element>(geo, geo.v_scale); }
-  TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.lengths[l * geo.num_kv_heads + h]; }
-  TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const {
-    slots.lengths[l * geo.num_kv_heads + h] = n;
-  }
+  TRIATTN_HOST_DEVICE std::int32_t length(int l, int h) const { return slots.length(geo.num_kv_heads, l, h); }
+  TRIATTN_HOST_DEVICE void set_length(int l, int h, std::int32_t n) const { slots.length(geo.num_kv_heads, l, h) = n; }
   TRIATTN_HOST_DEVICE std::int32_t& position(int l, int h, std::int64_t s) const {
-    return slots.positions[(static_cast<std::int64_t>(l) * geo.num_kv_heads + h) * slots.capacity + s];
+    return slots.position(geo.num_kv_heads, l, h, s);
   }
 
   /// The page ids (from the tail of the block table, in block-table order) that no (layer,
@@ -265,8 +274,7 @@ struct basic_paged_kv_view {
   }
 
   void validate(const char* api) const {
-    detail::validate_common(api, geo, slots);
-    detail::validate_element_type<Element>(api, geo);
+    detail::validate_common<Element>(api, geo, slots);
     TRIATTN_CHECK(page_size > 0, api, "page_size ", page_size, " must be >= 1");
     TRIATTN_CHECK(block_table != nullptr, api, "block_table is null");
     TRIATTN_CHECK(k_pools != nullptr && v_pools != nullptr, api, "k_pools/v_pools is null");
