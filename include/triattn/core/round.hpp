@@ -21,8 +21,8 @@
 /// 1. checks the budget, the view, and the policy (`begin_round`); resolves the round start;
 /// 2. groups the (layer, kv_head) rows into decisions (`granularity.hpp`); rows that share a
 ///    decision must hold the same positions in the same slots;
-/// 3. per decision: the protected slots (the policy's rule, plus the prompt when protected or
-///    kept beyond the budget); a decision whose protected slots or length fit what it keeps
+/// 3. per decision: the protected slots (`protection`: the policy's rule, plus the prompt when
+///    protected or kept beyond the budget); a decision whose protected slots or length fit what it keeps
 ///    is settled without scoring; otherwise each row is scored and folded into one score
 ///    per slot (`fold_row_score`: mean or max of the rows, in row order);
 /// 4. `select_keep`: protected slots first, then the best of the rest, ties to the lower slot,
@@ -83,6 +83,9 @@ struct round_options {
   budget_mode budget = budget_mode::with_prompt;
   bool protect_prompt = false;  ///< keep the prompt's slots (counted in the budget unless beyond_prompt)
   schedule sched = schedule::with_slack(128);  ///< when `maybe_compress` runs a round
+
+  /// Whether a round protects the prompt's slots: asked for, or kept on top of the budget.
+  TRIATTN_HOST_DEVICE bool keeps_prompt() const { return protect_prompt || budget == budget_mode::beyond_prompt; }
 };
 
 /// A round as the policy sees it: the resolved round start, the prompt, the caller's budget.
@@ -94,7 +97,7 @@ struct round_info {
 
 /// A policy's own protection and keep count for one decision (`rule`).
 struct row_rule {
-  protection prot{};       ///< sinks and recent window (prompt protection is added by the pipeline)
+  protection prot{};       ///< `protection::sinks_and_recent` (the pipeline adds the prompt: `with_prompt`)
   std::int64_t keep = 0;   ///< slots a decision keeps, <= the budget (0 keeps nothing)
 };
 
@@ -189,9 +192,7 @@ keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const 
   if (map.rows() > 1) detail::check_shared_rows(api, view, map);
 
   const row_rule rule = detail::rule_of(policy, info);
-  protection prot = rule.prot;
-  const bool prompt_kept = opts.protect_prompt || opts.budget == budget_mode::beyond_prompt;
-  prot.prompt_length = prompt_kept ? ctx.prompt_length : 0;
+  const protection prot = rule.prot.with_prompt(opts.keeps_prompt() ? ctx.prompt_length : 0);
 
   // Per decision: its protected slots and keep count (serial, one pass over positions).
   struct decision {

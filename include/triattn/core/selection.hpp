@@ -152,18 +152,33 @@ inline void pool1d(std::span<const float> x, std::span<float> out, int kernel, p
   }
 }
 
-/// Slots that are kept whatever their score. A slot of a (layer, kv_head) holding `n` slots
-/// is protected when it is among the first `first` slots, among the last `last` slots, or
-/// holds a position below `prompt_length` (the prompt's tokens).
+/// The first slot of the recent window, the last `recent` of `n` slots (0 when the window
+/// holds them all): the slots before it compete.
+TRIATTN_HOST_DEVICE std::int64_t recent_window_begin(std::int64_t n, std::int64_t recent) {
+  return n > recent ? n - recent : 0;
+}
+
+/// Slots that are kept whatever their score: the one protection rule of every policy, on both
+/// paths. A slot of a (layer, kv_head) holding `n` slots is protected when it is among the
+/// first `first` slots (attention sinks), among the last `last` slots (the recent window), or
+/// holds a position below `prompt_length` (the prompt's tokens). A policy states its sinks and
+/// recent window (`sinks_and_recent`); the round adds the prompt when it keeps it (`with_prompt`).
 struct protection {
   std::int64_t first = 0;          ///< attention sinks
   std::int64_t last = 0;           ///< recent window
   std::int64_t prompt_length = 0;  ///< positions [0, prompt_length) are the prompt
+
+  /// A policy's own protection: its first `sinks` slots and its last `recent` slots.
+  static TRIATTN_HOST_DEVICE protection sinks_and_recent(std::int64_t sinks, std::int64_t recent) {
+    return {sinks, recent, 0};
+  }
+  /// This protection with the prompt's positions [0, prompt_length) protected too.
+  TRIATTN_HOST_DEVICE protection with_prompt(std::int64_t prompt) const { return {first, last, prompt}; }
 };
 
 /// Whether slot `s` of `n` slots, holding `position`, is protected.
 TRIATTN_HOST_DEVICE bool is_protected(const protection& p, std::int64_t s, std::int64_t n, std::int64_t position) {
-  return s < p.first || s >= n - p.last || position < p.prompt_length;
+  return s < p.first || s >= recent_window_begin(n, p.last) || position < p.prompt_length;
 }
 
 /// Keep set of one (layer, kv_head) or one shared decision: protected slots first (if they

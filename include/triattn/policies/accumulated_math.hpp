@@ -35,7 +35,7 @@ struct h2o_split {
   /// Slots a decision holding more keeps.
   TRIATTN_HOST_DEVICE std::int64_t total() const { return recent + heavy; }
   /// The slots kept whatever their score: the sinks first, the recent window last.
-  TRIATTN_HOST_DEVICE protection protected_slots() const { return {sinks, recent, 0}; }
+  TRIATTN_HOST_DEVICE protection protected_slots() const { return protection::sinks_and_recent(sinks, recent); }
 };
 
 /// The split of `budget` >= 1 slots given the heavy and recent counts a config resolves to

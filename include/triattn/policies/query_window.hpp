@@ -340,7 +340,9 @@ class window_policy : public policy_base<Derived> {
   const round_options& round() const { return derived().config.round; }
 
   /// The last `window` slots are protected (the oldest of them when budget < window).
-  row_rule rule(const round_info& info) const { return {protection{0, derived().window_size(), 0}, info.budget}; }
+  row_rule rule(const round_info& info) const {
+    return {protection::sinks_and_recent(0, derived().window_size()), info.budget};
+  }
 
   /// Checks the config, the view and the attached window for a round; its rows are scored by
   /// the policy's `score_prefix` (the window slots, protected, score +inf).
@@ -394,9 +396,9 @@ class window_policy : public policy_base<Derived> {
   template <KVCacheView V>
   void score_row(const char* api, const V& view, int l, int h, std::span<float> out, scratch& sc) const {
     const auto n = static_cast<std::int64_t>(out.size());
-    const std::int64_t prefix = n - derived().window_size();
-    std::fill(out.begin() + std::max<std::int64_t>(prefix, 0), out.end(), std::numeric_limits<float>::infinity());
-    if (prefix <= 0) return;
+    const std::int64_t prefix = recent_window_begin(n, derived().window_size());
+    std::fill(out.begin() + prefix, out.end(), std::numeric_limits<float>::infinity());
+    if (prefix == 0) return;
     const int group = view.geometry().group_size();
     const key_map keys = window_keys(api, view, l, h, n, sc.keys);
     sc.key_positions.resize(static_cast<std::size_t>(n));

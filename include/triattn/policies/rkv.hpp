@@ -78,7 +78,7 @@ inline void rkv_importance_from_logits(std::span<const float> logits, int group,
                 " must be >= 1, >= 1, > window ", c.window);
   TRIATTN_CHECK(logits.size() == static_cast<std::size_t>(group) * static_cast<std::size_t>(rows) * static_cast<std::size_t>(n),
                 api, "logits holds ", logits.size(), " values, expected group ", group, " x rows ", rows, " x n ", n);
-  const std::int64_t p = n - c.window;
+  const std::int64_t p = recent_window_begin(n, c.window);
   TRIATTN_CHECK(out.size() == static_cast<std::size_t>(p), api, "output holds ", out.size(), " values, expected n - window ", p);
   const Eigen::Map<const row_matrix> all(logits.data(), static_cast<Eigen::Index>(group) * rows, n);  // [group * rows, n]
   row_matrix max_logits = all.topRows(rows).leftCols(p);
@@ -96,7 +96,7 @@ inline void rkv_scores_from_logits(std::span<const float> logits, int group, int
                 keys.size(), " values, not a whole number of rows of head_dim ", head_dim);
   const auto n = static_cast<std::int64_t>(keys.size() / static_cast<std::size_t>(head_dim));
   TRIATTN_CHECK(out.size() == static_cast<std::size_t>(n), api, "output holds ", out.size(), " scores, expected n ", n);
-  const std::int64_t p = std::max<std::int64_t>(n - c.window, 0);
+  const std::int64_t p = recent_window_begin(n, c.window);
   std::fill(out.begin() + p, out.end(), std::numeric_limits<float>::infinity());
   if (p == 0) return;
   Eigen::RowVectorXf importance(p), redundancy(n);

@@ -100,7 +100,7 @@ inline void snapkv_scores_from_probs(std::span<const float> probs, int group, in
   TRIATTN_CHECK(probs.size() == static_cast<std::size_t>(group) * static_cast<std::size_t>(rows) * static_cast<std::size_t>(n),
                 api, "probs holds ", probs.size(), " values, expected group ", group, " x rows ", rows, " x n ", n);
   TRIATTN_CHECK(out.size() == static_cast<std::size_t>(n), api, "output holds ", out.size(), " scores, expected n ", n);
-  const std::int64_t p = std::max<std::int64_t>(n - c.window, 0);
+  const std::int64_t p = recent_window_begin(n, c.window);
   std::fill(out.begin() + p, out.end(), std::numeric_limits<float>::infinity());
   if (p == 0) return;
   const Eigen::Map<const row_matrix> all(probs.data(), static_cast<Eigen::Index>(group) * rows, n);  // [group * rows, n]

@@ -36,7 +36,7 @@ struct streaming_llm_config {
 /// the most recent rest are protected, which fills the budget. Shared by the CPU and CUDA paths.
 TRIATTN_HOST_DEVICE row_rule streaming_rule(std::int64_t sinks, std::int64_t budget) {
   const std::int64_t s = sinks < budget ? sinks : budget;
-  return {protection{s, budget - s, 0}, budget};
+  return {protection::sinks_and_recent(s, budget - s), budget};
 }
 
 class streaming_llm : public policy_base<streaming_llm> {

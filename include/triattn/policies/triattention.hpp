@@ -87,7 +87,9 @@ class triattention : public policy_base<triattention> {
   const round_options& round() const { return config.round; }
 
   /// The last `window` slots are protected.
-  row_rule rule(const round_info& info) const { return {protection{0, config.window, 0}, info.budget}; }
+  row_rule rule(const round_info& info) const {
+    return {protection::sinks_and_recent(0, config.window), info.budget};
+  }
 
   /// Raw scores (not normalised) at round start `round_start`, into `out`
   /// [num_layers, num_q_heads, capacity]; slots >= length of their (layer, kv_head) are left
