@@ -233,9 +233,9 @@ TEST_CASE("a budget below 1 is rejected, untouched") {
         const needles want = {"triattn::compress", "budget " + std::to_string(b)};
         require_rejected(c, [&] { triattn::compress(policy, v, b); }, want);
         require_rejected(c, [&] { policy.compress(v, b); }, want);
-        // maybe_compress reads the policy's schedule (every_step for StreamingLLM), which checks the budget
+        // maybe_compress checks the budget once, before its schedule reads it
         require_rejected(c, [&] { triattn::maybe_compress(policy, v, b, {.position = 1000}); },
-                         {"budget " + std::to_string(b)});
+                         {"triattn::maybe_compress", "budget " + std::to_string(b)});
       }
       require_rejected(c, [&] { (void)policy.plan(v, 0); }, {"triattn::streaming_llm::plan", "budget 0"});
     });

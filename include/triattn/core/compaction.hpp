@@ -190,16 +190,12 @@ void compact_row(const V& view, int l, int h, std::span<const std::int32_t> keep
   }
   view.set_length(l, h, static_cast<std::int32_t>(m));
 }
-}  // namespace detail
 
-/// Applies `plan` in place: K and V rows, positions, lengths and every `states` array, one
-/// (layer, kv_head) per item of `parallel`. Validates everything first; on error nothing has
-/// been modified.
+/// `compact` of a view its caller has validated (a round validates its view once, before
+/// planning): checks the plan and the states, naming `api`, then moves.
 template <KVCacheView V>
-compaction_result compact(const V& view, const keep_plan& plan, std::span<const slot_state> states = {},
-                          const parallel_for& parallel = {}) {
-  const char* api = "triattn::compact";
-  view.validate(api);
+compaction_result compact_validated(const char* api, const V& view, const keep_plan& plan,
+                                    std::span<const slot_state> states, const parallel_for& parallel) {
   validate_plan(api, view, plan);
   for (const slot_state& st : states)
     TRIATTN_CHECK(st.data != nullptr && st.elem_bytes > 0 && st.rows_per_kv_head >= 1, api,
@@ -211,7 +207,7 @@ compaction_result compact(const V& view, const keep_plan& plan, std::span<const 
   const auto each_row = [&]<std::size_t Bytes>() {
     parallel(std::int64_t{g.num_layers} * g.num_kv_heads, [&](std::int64_t r, int) {
       const int l = static_cast<int>(r / g.num_kv_heads), h = static_cast<int>(r % g.num_kv_heads);
-      detail::compact_row<Bytes>(view, l, h, plan.row(l, h), row_bytes, states);
+      compact_row<Bytes>(view, l, h, plan.row(l, h), row_bytes, states);
     });
   };
   switch (row_bytes) {  // the row sizes of head_dim 64 / 128 / 256 in 1, 2 and 4 bytes
@@ -228,6 +224,18 @@ compaction_result compact(const V& view, const keep_plan& plan, std::span<const 
     result.freed_pages.assign(freed.begin(), freed.end());
   }
   return result;
+}
+}  // namespace detail
+
+/// Applies `plan` in place: K and V rows, positions, lengths and every `states` array, one
+/// (layer, kv_head) per item of `parallel`. Validates everything first; on error nothing has
+/// been modified.
+template <KVCacheView V>
+compaction_result compact(const V& view, const keep_plan& plan, std::span<const slot_state> states = {},
+                          const parallel_for& parallel = {}) {
+  const char* api = "triattn::compact";
+  view.validate(api);
+  return detail::compact_validated(api, view, plan, states, parallel);
 }
 
 TRIATTN_NAMESPACE_END

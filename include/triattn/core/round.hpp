@@ -5,8 +5,9 @@
 /// **A policy is a scorer** (`round_scorer`). It provides:
 /// - `round()`: its `round_options` (granularity, budget semantics, prompt protection,
 ///   row reduction, schedule), normally `config.round`;
-/// - `begin_round(api, view, info)`: validates everything the round needs (config, state,
-///   stats against the view), throwing `triattn::error` naming `api`, and returns a *row
+/// - `begin_round(api, view, info)`: validates everything else the round needs (config, state,
+///   stats against the view; the pipeline has checked the budget and validated the view, once
+///   per round), throwing `triattn::error` naming `api`, and returns a *row
 ///   scorer* `r` whose `r.score(layer, kv_head, candidate, out)` writes one score per slot of
 ///   that (layer, kv_head) into `out` [length], after the policy's own GQA reduction and
 ///   per-row normalisation (`candidate` [length]: 1 where the slot competes, 0 where it is
@@ -18,7 +19,9 @@
 /// the cache), `after_compact(view, plan)`.
 ///
 /// **The pipeline** (`plan_round`), for one sequence:
-/// 1. checks the budget, the view, and the policy (`begin_round`); resolves the round start;
+/// 1. checks the budget and the view, once for the round (`compress`, `plan_round` and
+///    `maybe_compress` each at their entry, compaction not again), then the policy
+///    (`begin_round`); resolves the round start;
 /// 2. groups the (layer, kv_head) rows into decisions (`granularity.hpp`); rows that share a
 ///    decision must hold the same positions in the same slots;
 /// 3. per decision: the protected slots (`protection`: the policy's rule, plus the prompt when
@@ -172,17 +175,21 @@ std::int64_t resolve_round_start(const char* api, const V& view, const round_con
   return ctx.position;
 }
 
-/// The keep plan of one round of `policy` over `view`: `budget` tokens per decision (the
-/// policy's rule may keep fewer; `beyond_prompt` keeps the prompt on top). Throws
-/// `triattn::error` naming `api` for budget < 1, a malformed view, a policy not ready for it,
-/// a bad context or rows that a shared decision cannot share. Changes nothing.
+namespace detail {
+/// The budget check of a round, made once by its entry point.
+inline void check_budget(const char* api, std::int64_t budget) {
+  TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+}
+inline void check_prompt_length(const char* api, const round_context& ctx) {
+  TRIATTN_CHECK(ctx.prompt_length >= 0, api, "prompt_length ", ctx.prompt_length, " must be >= 0");
+}
+
+/// `plan_round` once its entry point has checked the budget, the prompt length and the view
+/// (each once per round; the policy's `begin_round` and the selection rely on them).
 template <class P, KVCacheView V>
   requires round_scorer<P, V>
-keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const round_context& ctx = {},
-                     const char* api = "triattn::plan_round") {
-  TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
-  TRIATTN_CHECK(ctx.prompt_length >= 0, api, "prompt_length ", ctx.prompt_length, " must be >= 0");
-  view.validate(api);
+keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, const round_context& ctx,
+                         const char* api) {
   const round_options& opts = policy.round();
   const round_info info{resolve_round_start(api, view, ctx), ctx.prompt_length, budget};
   auto rows = policy.begin_round(api, view, info);
@@ -268,13 +275,28 @@ keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const 
         const float* row = scores.data() + dec.scores_at + r * n;
         for (std::int64_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction);
       }
-    out = select_keep(acc, dec.positions, prot, dec.keep);
+    out = select_keep_unchecked(acc, dec.positions, prot, dec.keep);
   });
 
   keep_plan plan(g.num_layers, g.num_kv_heads);
   for (int l = 0; l < g.num_layers; ++l)
     for (int h = 0; h < g.num_kv_heads; ++h) plan.push_row(keep[static_cast<std::size_t>(map.decision_of(l, h))]);
   return plan;
+}
+}  // namespace detail
+
+/// The keep plan of one round of `policy` over `view`: `budget` tokens per decision (the
+/// policy's rule may keep fewer; `beyond_prompt` keeps the prompt on top). Throws
+/// `triattn::error` naming `api` for budget < 1, a malformed view, a policy not ready for it,
+/// a bad context or rows that a shared decision cannot share. Changes nothing.
+template <class P, KVCacheView V>
+  requires round_scorer<P, V>
+keep_plan plan_round(const P& policy, const V& view, std::int64_t budget, const round_context& ctx = {},
+                     const char* api = "triattn::plan_round") {
+  detail::check_budget(api, budget);
+  detail::check_prompt_length(api, ctx);
+  view.validate(api);
+  return detail::plan_validated(policy, view, budget, ctx, api);
 }
 
 /// A policy usable with `compress`: a `round_scorer`, or a policy that builds its own plan
@@ -287,22 +309,24 @@ concept compression_policy =
     });
 
 namespace detail {
+/// The plan of a round of a `compression_policy`, its budget and view checked here, once.
 template <class P, KVCacheView V>
 keep_plan plan_for(P& policy, const V& view, std::int64_t budget, const round_context& ctx, const char* api) {
   if constexpr (round_scorer<P, V>) {
     return plan_round(policy, view, budget, ctx, api);
   } else {
-    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+    check_budget(api, budget);
     view.validate(api);
     return policy.plan(view, budget, ctx);
   }
 }
 
+/// Compacts the view `plan_for` validated with `plan`, moving the policy's state along.
 template <class P, KVCacheView V>
 compaction_result apply_plan(P& policy, const V& view, const keep_plan& plan, const parallel_for& par) {
   std::vector<slot_state> states;
   if constexpr (requires { policy.state(); }) states = policy.state();
-  compaction_result result = compact(view, plan, states, par);
+  compaction_result result = compact_validated("triattn::compact", view, plan, states, par);
   if constexpr (requires { policy.after_compact(view, plan); }) policy.after_compact(view, plan);
   return result;
 }
@@ -334,11 +358,20 @@ bool maybe_compress(P& policy, const V& view, std::int64_t budget, const round_c
   const char* api = "triattn::maybe_compress";
   TRIATTN_CHECK(ctx.position >= 0, api, "position ", ctx.position, " must be given (>= 0): the schedule reads it");
   view.validate(api);  // max_length reads the lengths: check the view first
+  detail::check_budget(api, budget);
   const round_options& opts = policy.round();
-  if (!opts.sched.should_compress(max_length(view), scheduled_budget(opts, budget, ctx), ctx.position,
-                                  ctx.prompt_length))
+  if (!opts.sched.fires(max_length(view), scheduled_budget(opts, budget, ctx), ctx.position, ctx.prompt_length))
     return false;
-  compaction_result r = compress(policy, view, budget, ctx);
+  // The round proper, as `compress` runs it, without checking the budget and the view again.
+  const char* round_api = "triattn::compress";
+  keep_plan plan;
+  if constexpr (round_scorer<P, V>) {
+    detail::check_prompt_length(round_api, ctx);
+    plan = detail::plan_validated(policy, view, budget, ctx, round_api);
+  } else {
+    plan = policy.plan(view, budget, ctx);
+  }
+  compaction_result r = detail::apply_plan(policy, view, plan, ctx.parallel);
   if (freed != nullptr) freed->insert(freed->end(), r.freed_pages.begin(), r.freed_pages.end());
   return true;
 }

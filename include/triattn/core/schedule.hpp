@@ -37,6 +37,12 @@ struct schedule {
   bool should_compress(std::int64_t length, std::int64_t budget, std::int64_t position,
                        std::int64_t prompt_length = 0) const {
     TRIATTN_CHECK(budget >= 1, "triattn::schedule::should_compress", "budget ", budget, " must be >= 1");
+    return fires(length, budget, position, prompt_length);
+  }
+
+  /// `should_compress` for a budget its caller has checked (>= 1): `maybe_compress` checks it
+  /// once per round. Throws for a negative slack or a non-positive divide_length.
+  bool fires(std::int64_t length, std::int64_t budget, std::int64_t position, std::int64_t prompt_length) const {
     switch (kind) {
       case trigger::every_step:
         return length > budget;

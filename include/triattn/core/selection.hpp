@@ -181,17 +181,13 @@ TRIATTN_HOST_DEVICE bool is_protected(const protection& p, std::int64_t s, std::
   return s < p.first || s >= recent_window_begin(n, p.last) || position < p.prompt_length;
 }
 
-/// Keep set of one (layer, kv_head) or one shared decision: protected slots first (if they
-/// alone exceed the budget, the lowest protected slots), then the best-scoring of the rest.
-/// `positions` [n] may be empty when `prot.prompt_length` is 0. Returns min(budget, n) slots,
-/// ascending.
-inline std::vector<std::int32_t> select_keep(std::span<const float> scores, std::span<const std::int32_t> positions,
-                                             const protection& prot, std::int64_t budget) {
-  const char* api = "triattn::select_keep";
-  TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+namespace detail {
+/// `select_keep` for arguments its caller has checked (the round pipeline checks its budget
+/// once per round, and passes every position).
+inline std::vector<std::int32_t> select_keep_unchecked(std::span<const float> scores,
+                                                       std::span<const std::int32_t> positions, const protection& prot,
+                                                       std::int64_t budget) {
   const auto n = static_cast<std::int64_t>(scores.size());
-  TRIATTN_CHECK(prot.prompt_length == 0 || static_cast<std::int64_t>(positions.size()) == n, api, "positions holds ",
-                positions.size(), " slots, expected ", n);
   std::vector<std::int32_t> out;
   if (budget >= n) {
     out.resize(static_cast<std::size_t>(n));
@@ -208,6 +204,21 @@ inline std::vector<std::int32_t> select_keep(std::span<const float> scores, std:
                out);
   std::sort(out.begin(), out.end());
   return out;
+}
+}  // namespace detail
+
+/// Keep set of one (layer, kv_head) or one shared decision: protected slots first (if they
+/// alone exceed the budget, the lowest protected slots), then the best-scoring of the rest.
+/// `positions` [n] may be empty when `prot.prompt_length` is 0. Returns min(budget, n) slots,
+/// ascending.
+inline std::vector<std::int32_t> select_keep(std::span<const float> scores, std::span<const std::int32_t> positions,
+                                             const protection& prot, std::int64_t budget) {
+  const char* api = "triattn::select_keep";
+  TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+  const auto n = static_cast<std::int64_t>(scores.size());
+  TRIATTN_CHECK(prot.prompt_length == 0 || static_cast<std::int64_t>(positions.size()) == n, api, "positions holds ",
+                positions.size(), " slots, expected ", n);
+  return detail::select_keep_unchecked(scores, positions, prot, budget);
 }
 
 TRIATTN_NAMESPACE_END

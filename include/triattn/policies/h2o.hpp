@@ -159,16 +159,18 @@ class accumulated_attention_policy : public policy_base<Derived> {
   const round_options& round() const { return config.round; }
 
   /// The protected recent window and sinks, and the heavy + recent slots a decision keeps.
+  /// The round has checked the budget and, in `begin_round`, the config.
   row_rule rule(const round_info& info) const {
-    const h2o_split sp = split_as(Derived::names.split, info.budget, info.prompt_length);
+    const h2o_split sp = config.budget_parts().split(info.budget, info.prompt_length);
     return {sp.protected_slots(), sp.total()};
   }
 
-  /// Checks the config, the view and the state for a round; its rows score with `row_score`.
+  /// Checks the config and the state against the view for a round whose budget and view the
+  /// pipeline has checked; its rows score with `row_score`.
   template <KVCacheView V>
   auto begin_round(const char* api, const V& view, const round_info& info) const {
-    split_as(api, info.budget, info.prompt_length);
-    check_inputs(api, view);
+    check_split(api, info.prompt_length);
+    acc_.check_view(api, view);
     return row_scorer<V>{&derived(), &view, api};
   }
 
@@ -195,7 +197,10 @@ class accumulated_attention_policy : public policy_base<Derived> {
   /// `prompt_length` tokens (see the file comment). Throws for budget < 1, a bad config, or a
   /// ratio budget without a prompt length.
   h2o_split split(std::int64_t budget, std::int64_t prompt_length = 0) const {
-    return split_as(Derived::names.split, budget, prompt_length);
+    const char* api = Derived::names.split;
+    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+    check_split(api, prompt_length);
+    return config.budget_parts().split(budget, prompt_length);
   }
 
  protected:
@@ -244,8 +249,8 @@ class accumulated_attention_policy : public policy_base<Derived> {
     acc_.check_view(api, view);
   }
 
-  h2o_split split_as(const char* api, std::int64_t budget, std::int64_t prompt_length) const {
-    TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+  /// Checks what a split needs besides the budget: the config, and a prompt length for ratios.
+  void check_split(const char* api, std::int64_t prompt_length) const {
     validate_config(api);
     const auto check_ratio = [&](const std::optional<std::int64_t>& count, const std::optional<double>& ratio,
                                  const char* ratio_name) {
@@ -254,7 +259,6 @@ class accumulated_attention_policy : public policy_base<Derived> {
     };
     check_ratio(config.heavy, config.heavy_ratio, "heavy_ratio");
     check_ratio(config.recent, config.recent_ratio, "recent_ratio");
-    return config.budget_parts().split(budget, prompt_length);
   }
 };
 

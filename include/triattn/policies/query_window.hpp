@@ -344,11 +344,13 @@ class window_policy : public policy_base<Derived> {
     return {protection::sinks_and_recent(0, derived().window_size()), info.budget};
   }
 
-  /// Checks the config, the view and the attached window for a round; its rows are scored by
-  /// the policy's `score_prefix` (the window slots, protected, score +inf).
+  /// Checks the config and the attached window for a round (the pipeline has validated the
+  /// view); its rows are scored by the policy's `score_prefix` (the window slots, protected,
+  /// score +inf).
   template <KVCacheView V>
   auto begin_round(const char* api, const V& view, const round_info&) const {
-    check_ready(api, view);
+    derived().validate_config(api);
+    check_attached(api, view.geometry());
     return row_scorer<V>{this, &view, api, {}};
   }
 
@@ -382,7 +384,10 @@ class window_policy : public policy_base<Derived> {
   void check_ready(const char* api, const V& view) const {
     derived().validate_config(api);
     view.validate(api);
-    const kv_geometry& g = view.geometry();
+    check_attached(api, view.geometry());
+  }
+  /// Checks that the policy was attached to a view of geometry `g`, with its current window.
+  void check_attached(const char* api, const kv_geometry& g) const {
     TRIATTN_CHECK(g.num_layers == window_.num_layers() && g.num_q_heads == window_.num_q_heads() &&
                       g.num_kv_heads == num_kv_heads_ && g.head_dim == window_.head_dim(),
                   api, "the view has ", g.num_layers, " layers, ", g.num_q_heads, " q_heads, ", g.num_kv_heads,

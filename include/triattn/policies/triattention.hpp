@@ -114,11 +114,12 @@ class triattention : public policy_base<triattention> {
       }
   }
 
-  /// Checks the stats against the view for a round at `info.round_start`; its rows score with
-  /// the folded scorer, z-scored and GQA-reduced.
+  /// Checks the config and the stats against the view (which the pipeline has validated) for a
+  /// round at `info.round_start`; its rows score with the folded scorer, z-scored and GQA-reduced.
   template <KVCacheView V>
   auto begin_round(const char* api, const V& view, const round_info& info) const {
-    check_inputs(api, view);
+    validate_config(api);
+    stats_.check_against(api, view.geometry());
     if (config.score_ema > 0.0f) start_history(view);
     return row_scorer<V>(*this, api, view, info.round_start, info.budget);
   }
