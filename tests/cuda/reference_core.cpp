@@ -117,7 +117,7 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
         a = triattn::fold_row_score(a, row[s], options.reduction);
       }
     }
-    const std::int64_t k = rule.keep + (beyond ? prompt_slots : 0);
+    const std::int64_t k = rule.kept + (beyond ? prompt_slots : 0);
     decided.push_back(k <= 0 ? std::vector<std::int32_t>{} : triattn::select_keep(acc, positions, prot, k));
   }
   keep_rows out;

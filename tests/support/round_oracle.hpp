@@ -28,11 +28,11 @@
 
 namespace triattn_test::ref {
 
-/// The policy's own part of a decision: protected first / last slots and the keep count.
+/// The policy's own part of a decision: protected first / last slots and the kept count.
 struct round_rule {
   std::int64_t first = 0;
   std::int64_t last = 0;
-  std::int64_t keep = 0;
+  std::int64_t kept = 0;
 };
 
 /// The round options and context the oracle needs.
@@ -97,7 +97,7 @@ round_decision decide(const std::vector<std::pair<int, int>>& rows, const std::v
     d.prot[s] = s < rule.first || s >= n - rule.last || (prompt_kept && in_prompt);
     protected_slots += d.prot[s] ? 1 : 0;
   }
-  const std::int64_t k = rule.keep + (spec.beyond_prompt ? prompt_slots : 0);
+  const std::int64_t k = rule.kept + (spec.beyond_prompt ? prompt_slots : 0);
   if (k <= 0) return d;
   if (n <= k) {
     d.keep.resize(static_cast<std::size_t>(n));

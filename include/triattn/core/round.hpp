@@ -98,10 +98,11 @@ struct round_info {
   std::int64_t budget = 0;
 };
 
-/// A policy's own protection and keep count for one decision (`rule`).
+/// A policy's own protection and kept count for one decision (`rule`). In triattn `keep` is
+/// always a list of slots (a keep set, a `keep_plan`) and `kept` a count.
 struct row_rule {
   protection prot{};       ///< `protection::sinks_and_recent` (the pipeline adds the prompt: `with_prompt`)
-  std::int64_t keep = 0;   ///< slots a decision keeps, <= the budget (0 keeps nothing)
+  std::int64_t kept = 0;   ///< slots a decision keeps, <= the budget (0 keeps nothing)
 };
 
 /// A policy the round pipeline can run on views of type `V` (see the file comment).
@@ -201,11 +202,11 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
   const row_rule rule = detail::rule_of(policy, info);
   const protection prot = rule.prot.with_prompt(opts.keeps_prompt() ? ctx.prompt_length : 0);
 
-  // Per decision: its protected slots and keep count (serial, one pass over positions).
+  // Per decision: its protected slots and kept count (serial, one pass over positions).
   struct decision {
     std::vector<std::int32_t> positions;
     std::vector<std::uint8_t> candidate;  // 1: competes, 0: protected
-    std::int64_t keep = 0;
+    std::int64_t kept = 0;
     std::int64_t scores_at = -1;  // offset of its rows' scores in `scores`, -1: not scored
   };
   std::vector<decision> decisions(static_cast<std::size_t>(map.decisions()));
@@ -225,9 +226,9 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
       protected_slots += p ? 1 : 0;
       prompt_slots += dec.positions[s] < ctx.prompt_length ? 1 : 0;
     }
-    dec.keep = rule.keep + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
+    dec.kept = rule.kept + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
     // Scored only when protection alone does not decide and the rows do not fit whole.
-    if (dec.keep > 0 && n > dec.keep && protected_slots < dec.keep) {
+    if (dec.kept > 0 && n > dec.kept && protected_slots < dec.kept) {
       dec.scores_at = score_floats;
       score_floats += std::int64_t{map.rows()} * n;
     }
@@ -263,8 +264,8 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
     const decision& dec = decisions[static_cast<std::size_t>(d)];
     const auto n = static_cast<std::int64_t>(dec.positions.size());
     std::vector<std::int32_t>& out = keep[static_cast<std::size_t>(d)];
-    if (dec.keep <= 0) return;  // a rule may keep nothing (H2O's fractions of a short prompt)
-    if (n <= dec.keep) {
+    if (dec.kept <= 0) return;  // a rule may keep nothing (H2O's fractions of a short prompt)
+    if (n <= dec.kept) {
       out.resize(static_cast<std::size_t>(n));
       std::iota(out.begin(), out.end(), 0);
       return;
@@ -275,7 +276,7 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
         const float* row = scores.data() + dec.scores_at + r * n;
         for (std::int64_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction);
       }
-    out = select_keep_unchecked(acc, dec.positions, prot, dec.keep);
+    out = select_keep_unchecked(acc, dec.positions, prot, dec.kept);
   });
 
   keep_plan plan(g.num_layers, g.num_kv_heads);

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(Threads)
   const segment_id id = segment_of(r, g);
   const V& view = batch.views[id.b];
   const std::int32_t n = view.length(id.l, id.h);
-  const std::int64_t keep_all = in_round ? split.rule(round.info(id.b)).keep : 0;
+  const std::int64_t kept_all = in_round ? split.rule(round.info(id.b)).kept : 0;
   const int G = g.group_size();
   const std::int64_t cap = batch.capacity;
   const float* sums = state.sums + ((std::int64_t{id.b} * g.num_layers + id.l) * g.num_q_heads + id.h * G) * cap;
@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Threads)
   float* out = scores + r * cap;
   float value[max_head_dim];
   for (std::int64_t j = accumulated_first_slot(); j < n; j += accumulated_slot_stride()) {
-    if (n <= keep_all) {
+    if (n <= kept_all) {
       out[j] = 0.0f;
       continue;
     }

@@ -182,7 +182,9 @@ struct rkv_scorer {
   rkv_config config{};
   window_query_batch queries{};
 
-  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return {protection{0, config.window, 0}, info.budget}; }
+  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const {
+    return {protection::sinks_and_recent(0, config.window), info.budget};
+  }
 
   /// Scores (λ·importance − (1 − λ)·redundancy on the prefix, +inf on the window) into
   /// `scores` [batch, layers, kv_heads, capacity]; otherwise as `snapkv_scorer::score`.

@@ -22,10 +22,10 @@
 /// 2. one block per decision (sequence, d) folds its rows (`decision_map::row`, r = 0, 1, ...)
 ///    with `fold_row_score` into one score per slot, the CPU's float; checks that the rows
 ///    hold the same length and positions (else `round_status::unequal_rows`); and forms the
-///    decision's protection and keep count from the scorer's rule, the prompt and the
+///    decision's protection and kept count from the scorer's rule, the prompt and the
 ///    sequence's budget (`budget_mode::beyond_prompt` adds the prompt's slots, counted with
 ///    `cub::BlockReduce`);
-/// 3. `select_keep` per decision (select.cuh), with its own keep count and protection;
+/// 3. `select_keep` per decision (select.cuh), with its own kept count and protection;
 /// 4. shared granularities: each decision's keep set is copied to every row it covers.
 /// `compact` (compact.cuh) then applies the plan; given the round's status word, it moves
 /// nothing when any step failed.
@@ -73,12 +73,12 @@ struct device_round {
   }
 };
 
-/// Sequence `b`'s protection and keep count: the scorer's rule, and the prompt when it is kept.
+/// Sequence `b`'s protection and kept count: the scorer's rule, and the prompt when it is kept.
 template <class Scorer>
 TRIATTN_HOST_DEVICE row_rule sequence_rule(const Scorer& scorer, const device_round& round, int b) {
   const round_info info = round.info(b);
   row_rule rule = scorer.rule(info);
-  rule.prot.prompt_length = round.prompt_kept ? info.prompt_length : 0;
+  rule.prot = rule.prot.with_prompt(round.prompt_kept ? info.prompt_length : 0);
   return rule;
 }
 
@@ -94,7 +94,7 @@ concept device_scorer =
 namespace detail {
 
 /// One block per decision (sequence b, decision d) = blockIdx.x: the folded scores, positions
-/// and length of the decision, its protection and keep count (see the file comment, step 2).
+/// and length of the decision, its protection and kept count (see the file comment, step 2).
 template <int Threads, class Scorer, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
     round_decide(view_batch<V> batch, Scorer scorer, device_round round, std::int32_t stride, const float* scores,
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(Threads)
   if (unequal) fail_round(status, round_status::unequal_rows);
   const int prompt_total = reduce(temp).Sum(prompt_slots);  // valid in thread 0
   if (threadIdx.x != 0) return;
-  std::int64_t k = rule.keep + (round.beyond_prompt ? prompt_total : 0);
+  std::int64_t k = rule.kept + (round.beyond_prompt ? prompt_total : 0);
   if (round.info(b).budget < 1 || k > stride) {
     fail_round(status, round_status::bad_budget);
     k = k > stride ? stride : k;
@@ -185,9 +185,8 @@ inline cudaError_t check_round_options(const char* api, const round_options& o) 
 template <KVCacheView V>
 device_round make_device_round(const view_batch<V>& batch, const round_options& options, const round_inputs& inputs) {
   const kv_geometry& g = batch.geometry;
-  const bool beyond = options.budget == budget_mode::beyond_prompt;
   return {inputs, decision_map{options.grain, g.num_layers, g.num_kv_heads}, options.reduction,
-          options.protect_prompt || beyond, beyond};
+          options.keeps_prompt(), options.budget == budget_mode::beyond_prompt};
 }
 
 /// The keep plan of one round of `scorer` over every sequence of `batch`: the CPU's
@@ -195,11 +194,11 @@ device_round make_device_round(const view_batch<V>& batch, const round_options& 
 /// context `inputs.round_starts[b]`, `inputs.prompt_lengths[b]`, under `options` (granularity,
 /// row reduction, budget mode, prompt protection; its schedule is the caller's business).
 /// Writes `plan.keep` [batch, layers, kv_heads, plan.stride] and `plan.kept` [batch, layers,
-/// kv_heads], the plan `compact` reads; `plan.stride` must hold every decision's keep count
+/// kv_heads], the plan `compact` reads; `plan.stride` must hold every decision's kept count
 /// (the largest budget, plus the prompt with `beyond_prompt`). CUB-style workspace (see
 /// common.cuh). Device failures go to `status` (required, zeroed by the caller): a
 /// non-finite key, rows of a shared decision that hold different slots (`unequal_rows`), a
-/// budget < 1 or a keep count above the stride (`bad_budget`); `compact` given that word then
+/// budget < 1 or a kept count above the stride (`bad_budget`); `compact` given that word then
 /// moves nothing. At most 65535 decisions per batch (`select_keep`'s grid).
 template <class Scorer, KVCacheView V>
   requires device_scorer<Scorer, V>

@@ -28,7 +28,7 @@ namespace cuda {
 /// The rows a selection reads. Segment s holds `lengths[s]` valid slots of the row
 /// `scores + s * capacity`; `positions` [count, capacity] are read only when a segment's
 /// `protection::prompt_length` > 0 and may be null otherwise. `budgets` and `protections`,
-/// when set, give each segment its own keep count (clamped to [0, the call's budget]) and
+/// when set, give each segment its own kept count (clamped to [0, the call's budget]) and
 /// protection, as a round's decisions have (round.cuh); null: the call's for every segment.
 struct select_segments {
   const float* scores = nullptr;              ///< [count, capacity]

@@ -60,7 +60,9 @@ struct snapkv_scorer {
   snapkv_config config{};
   window_query_batch queries{};
 
-  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return {protection{0, config.window, 0}, info.budget}; }
+  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const {
+    return {protection::sinks_and_recent(0, config.window), info.budget};
+  }
 
   /// Scores into `scores` [batch, layers, kv_heads, capacity]: the GQA-aggregated pooled
   /// votes on the prefix, +inf on the last `window` slots and on every slot of a segment that

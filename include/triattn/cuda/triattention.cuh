@@ -308,7 +308,9 @@ struct triattention_scorer {
   triattention_device_stats stats{};
   triattention_config config{};
 
-  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return {protection{0, config.window, 0}, info.budget}; }
+  TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const {
+    return {protection::sinks_and_recent(0, config.window), info.budget};
+  }
 
   template <KVCacheView V>
   cudaError_t score(const char* api, void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
