@@ -20,6 +20,9 @@ namespace triattn_cuda_test::cpu {
 /// Rows of keep indices, one per (layer, kv_head) in order, as the CPU plan or compaction has them.
 using keep_rows = std::vector<std::vector<std::int32_t>>;
 
+/// The rows of a CPU keep plan, in (layer, kv_head) order.
+keep_rows rows_of(const triattn::keep_plan& p);
+
 /// triattn::select_keep on one row.
 std::vector<std::int32_t> select_keep(const std::vector<float>& scores, const std::vector<std::int32_t>& positions,
                                       const triattn::protection& prot, std::int64_t budget);

@@ -13,7 +13,6 @@
 
 namespace triattn_cuda_test::cpu {
 
-namespace {
 keep_rows rows_of(const triattn::keep_plan& p) {
   keep_rows out;
   for (int l = 0; l < p.num_layers; ++l)
@@ -23,7 +22,6 @@ keep_rows rows_of(const triattn::keep_plan& p) {
     }
   return out;
 }
-}  // namespace
 
 std::vector<std::int32_t> select_keep(const std::vector<float>& scores, const std::vector<std::int32_t>& positions,
                                       const triattn::protection& prot, std::int64_t budget) {

@@ -31,14 +31,7 @@ keep_rows triattention_plan(engine_cache& engine, const triattn::query_stats& st
                             const triattn::triattention_config& config, std::int64_t round_start,
                             std::int64_t prompt_length, std::int64_t budget) {
   const triattn::triattention policy(stats, config);
-  const triattn::keep_plan p = policy.plan(engine.host_view(), budget, triattn::round_context{round_start, prompt_length});
-  keep_rows out;
-  for (int l = 0; l < p.num_layers; ++l)
-    for (int h = 0; h < p.num_kv_heads; ++h) {
-      const auto r = p.row(l, h);
-      out.emplace_back(r.begin(), r.end());
-    }
-  return out;
+  return rows_of(policy.plan(engine.host_view(), budget, triattn::round_context{round_start, prompt_length}));
 }
 
 }  // namespace triattn_cuda_test::cpu
