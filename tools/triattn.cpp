@@ -707,15 +707,6 @@ int policy_command(const options& o, bool select, const triattn::policy_entry& e
   return run_registry_policy(o, select, entry);
 }
 
-/// "h2o, snapkv": the compressing policies for which `pick` holds, for the usage text.
-template <class Pick>
-std::string names_where(Pick pick) {
-  std::string out;
-  for (const triattn::policy_entry& e : triattn::policy_registry)
-    if (e.compresses() && pick(e)) out += (out.empty() ? "" : ", ") + std::string(e.name);
-  return out;
-}
-
 /// The usage text; its list of policies is the registry's.
 std::string usage_text() {
   return "usage:\n"
@@ -735,18 +726,18 @@ std::string usage_text() {
          "use:\n"
          "  --keys K        [num_layers, num_kv_heads, num_tokens, head_dim] post-RoPE keys (all policies)\n"
          "  --values V      [num_layers, num_kv_heads, num_tokens, head_dim] (" +
-         names_where([](const auto& e) { return e.needs.values; }) +
+         triattn::policy_names_where([](const triattn::policy_entry& e) { return e.needs.values; }) +
          ")\n"
          "  --attn A        [num_layers, num_q_heads, rows, num_tokens] probabilities of the rows seen so far (" +
-         names_where([](const auto& e) { return e.needs.attention; }) +
+         triattn::policy_names_where([](const triattn::policy_entry& e) { return e.needs.attention; }) +
          ")\n"
          "  --queries Q     [num_layers, num_q_heads, w, head_dim] the last w queries, post-RoPE (" +
-         names_where([](const auto& e) { return e.needs.queries; }) + ")\n"
+         triattn::policy_names_where([](const triattn::policy_entry& e) { return e.needs.queries; }) + ")\n"
          "  --stats S       triattn.stats.v1 safetensors (triattention)\n"
          "  --round-start R position of the next token (triattention)\n"
          "  --positions P   int [num_layers, num_kv_heads, num_tokens] positions (triattention; default: slot index)\n"
          "  --gqa mean|max|sum   GQA aggregation of " +
-         names_where([](const auto& e) { return e.takes_gqa; }) +
+         triattn::policy_names_where([](const triattn::policy_entry& e) { return e.takes_gqa; }) +
          " (default mean); triattention: max|mean\n"
          "  --sinks S       attention sinks of streaming_llm (default 4)\n"
          "triattention options: --offset-max N (65536) --aggregation mean|max --disable-trig --disable-norm\n"

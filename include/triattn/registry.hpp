@@ -24,8 +24,8 @@
 #include "triattn/calibration/query_stats.hpp"
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/config.hpp"
-#include "triattn/core/gqa.hpp"
 #include "triattn/core/error.hpp"
+#include "triattn/core/gqa.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
@@ -261,12 +261,20 @@ inline std::vector<std::string_view> policy_name_list(bool compressing_only = fa
   return out;
 }
 
+/// "h2o, vatp": the names of the entries for which `pick(entry)` holds, in order, for messages
+/// and usage texts.
+template <class Pick>
+std::string policy_names_where(Pick pick) {
+  std::string out;
+  for (const policy_entry& e : policy_registry)
+    if (pick(e)) out += (out.empty() ? "" : ", ") + std::string(e.name);
+  return out;
+}
+
 /// "full, streaming_llm, ...": the known names, for messages; without `full` when
 /// `compressing_only`.
 inline std::string policy_names(bool compressing_only = false) {
-  std::string out;
-  for (const std::string_view n : policy_name_list(compressing_only)) out += (out.empty() ? "" : ", ") + std::string(n);
-  return out;
+  return policy_names_where([=](const policy_entry& e) { return !compressing_only || e.compresses(); });
 }
 
 TRIATTN_NAMESPACE_END

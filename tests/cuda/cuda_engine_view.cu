@@ -21,6 +21,7 @@
 #include "cuda/device_cache.hpp"
 #include "cuda/driver.hpp"
 #include "cuda/engine_view.hpp"
+#include "cuda/gpu_plan.cuh"
 #include "cuda/reference.hpp"
 #include "cuda/reference_accumulated.hpp"
 #include "cuda/reference_engine_view.hpp"
@@ -130,40 +131,6 @@ gpu_scores run_scores(std::size_t floats, F&& score) {
   CUDA_REQUIRE(score(static_cast<void*>(ws.get()), bytes, scores.get(), status.get()));
   CUDA_REQUIRE(cudaDeviceSynchronize());
   return {scores.download(), status.download()[0]};
-}
-
-/// A `plan_round` of every sequence to `budget`, synchronised.
-struct gpu_plan {
-  std::vector<std::int32_t> keep, kept;  // [batch, layers, kv_heads, budget], [batch, layers, kv_heads]
-  std::int32_t status = -1, budget = 0;
-
-  std::vector<std::int32_t> row(std::size_t r) const {
-    const auto at = keep.begin() + static_cast<std::ptrdiff_t>(r) * budget;
-    return {at, at + kept[r]};
-  }
-  bool operator==(const gpu_plan& o) const {
-    if (kept != o.kept || status != o.status) return false;
-    for (std::size_t r = 0; r < kept.size(); ++r)
-      if (row(r) != o.row(r)) return false;
-    return true;
-  }
-};
-template <class V, class S>
-gpu_plan run_plan(const triattn::cuda::view_batch<V>& batch, const S& scorer, const triattn::round_options& options,
-                  const std::int64_t* round_starts, std::int64_t prompt_length, std::int32_t budget) {
-  const std::size_t rows = static_cast<std::size_t>(batch.size) * batch.geometry.num_layers * batch.geometry.num_kv_heads;
-  device_buffer<std::int32_t> keep(rows * static_cast<std::size_t>(budget)), kept(rows);
-  device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
-  const device_buffer<std::int32_t> budgets(std::vector<std::int32_t>(static_cast<std::size_t>(batch.size), budget));
-  const device_buffer<std::int64_t> prompts(std::vector<std::int64_t>(static_cast<std::size_t>(batch.size), prompt_length));
-  const triattn::cuda::round_inputs inputs{budgets.get(), round_starts, prompts.get()};
-  const triattn::cuda::device_keep_plan plan{keep.get(), kept.get(), budget};
-  std::size_t bytes = 0;
-  CUDA_REQUIRE(triattn::cuda::plan_round(nullptr, bytes, batch, scorer, options, inputs, plan, status.get(), nullptr));
-  device_buffer<std::byte> ws(bytes);
-  CUDA_REQUIRE(triattn::cuda::plan_round(ws.get(), bytes, batch, scorer, options, inputs, plan, status.get(), nullptr));
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  return {keep.download(), kept.download(), status.download()[0], budget};
 }
 
 // --- SnapKV and R-KV ------------------------------------------------------------------------

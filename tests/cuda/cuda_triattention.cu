@@ -15,6 +15,7 @@
 
 #include "cuda/device_cache.hpp"
 #include "cuda/driver.hpp"
+#include "cuda/gpu_plan.cuh"
 #include "cuda/reference.hpp"
 #include "support/random.hpp"
 #include "support/triattention_reference.hpp"
@@ -138,46 +139,12 @@ TRIATTN_CUDA_TEST("triattention_score equals the CPU scorer on every layout, dty
       }
 }
 
-/// A GPU round, synchronised: `plan_round` with a device scorer, then compact with the
-/// round's status word.
-struct gpu_round {
-  std::vector<std::int32_t> keep, kept;  // [batch, layers, kv_heads, budget], [batch, layers, kv_heads]
-  std::int32_t status;
-
-  /// The keep set of plan row `row` (the device_keep_plan order).
-  std::vector<std::int32_t> row_keep(std::size_t row, std::int32_t budget) const {
-    const auto at = static_cast<std::ptrdiff_t>(row) * budget;
-    return {keep.begin() + at, keep.begin() + at + kept[row]};
-  }
-};
-
-/// Every sequence of `dev` cut to `budget` by `scorer` under `options`, from `round_starts` (or
-/// null) after prompts of `prompt_length` tokens.
-template <class S, class V>
-gpu_round run_plan_round(const device_batch<V>& dev, const S& scorer, const triattn::round_options& options,
-                         const std::int64_t* round_starts, std::int64_t prompt_length, std::int32_t budget) {
-  const triattn::cuda::view_batch<V> batch = dev.batch();
-  const std::size_t rows = static_cast<std::size_t>(batch.size) * batch.geometry.num_layers * batch.geometry.num_kv_heads;
-  device_buffer<std::int32_t> keep(rows * static_cast<std::size_t>(budget)), kept(rows);
-  device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
-  const device_buffer<std::int32_t> budgets(std::vector<std::int32_t>(static_cast<std::size_t>(batch.size), budget));
-  const device_buffer<std::int64_t> prompts(std::vector<std::int64_t>(static_cast<std::size_t>(batch.size), prompt_length));
-  const triattn::cuda::round_inputs inputs{budgets.get(), round_starts, prompts.get()};
-  const triattn::cuda::device_keep_plan plan{keep.get(), kept.get(), budget};
-  std::size_t bytes = 0;
-  CUDA_REQUIRE(triattn::cuda::plan_round(nullptr, bytes, batch, scorer, options, inputs, plan, status.get(), nullptr));
-  device_buffer<std::byte> ws(bytes);
-  CUDA_REQUIRE(triattn::cuda::plan_round(ws.get(), bytes, batch, scorer, options, inputs, plan, status.get(), nullptr));
-  CUDA_REQUIRE(triattn::cuda::compact(batch, plan, {}, status.get(), nullptr));
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  return {keep.download(), kept.download(), status.download()[0]};
-}
-
+/// A GPU TriAttention round of `dev`: plan, then compact.
 template <class V>
-gpu_round run_gpu_round(const device_batch<V>& dev, const tri_case<V>& tc, const triattention_config& cfg,
-                        std::int64_t prompt_length, std::int32_t budget) {
-  return run_plan_round(dev, triattn::cuda::triattention_scorer{tc.device_stats, cfg}, cfg.round,
-                        tc.d_round_starts.get(), prompt_length, budget);
+gpu_plan run_gpu_round(const device_batch<V>& dev, const tri_case<V>& tc, const triattention_config& cfg,
+                       std::int64_t prompt_length, std::int32_t budget) {
+  return run_plan(dev.batch(), triattn::cuda::triattention_scorer{tc.device_stats, cfg}, cfg.round,
+                  tc.d_round_starts.get(), prompt_length, budget, /*compact=*/true);
 }
 
 /// Runs a GPU plan, then compact, and the CPU plan + compact on the host caches; checks the
@@ -196,7 +163,7 @@ int plan_case(const triattn_test::cache_shape& shape, int batch, const triattent
         for (int h = 0; h < shape.num_kv_heads; ++h)
           for (std::int32_t s = 1; s < c.length(l, h); s += 2) c.store_key(l, h, s, c.key(l, h, s - 1));
   const device_batch<V> dev(tc.caches);
-  const gpu_round gpu = run_gpu_round(dev, tc, cfg, prompt_length, budget);
+  const gpu_plan gpu = run_gpu_round(dev, tc, cfg, prompt_length, budget);
   CHECK(gpu.status == 0);
   int decisive = 0;
   for (int b = 0; b < batch; ++b) {
@@ -207,7 +174,7 @@ int plan_case(const triattn_test::cache_shape& shape, int batch, const triattent
     ++decisive;
     const cpu::keep_rows expected = cpu::triattention_plan(c, tc.stats, cfg, r, prompt_length, budget);
     for (std::size_t row = 0; row < expected.size(); ++row)
-      CHECK(gpu.row_keep(static_cast<std::size_t>(b) * expected.size() + row, budget) == expected[row], "sequence ", b,
+      CHECK(gpu.row(static_cast<std::size_t>(b) * expected.size() + row) == expected[row], "sequence ", b,
             " row (layer x kv_head) ", row);
     cpu::compact(c, expected);
     CHECK(dev.mirror(static_cast<std::size_t>(b)).download() == c.snapshot(), "cache of sequence ", b, " after the round");
@@ -256,7 +223,7 @@ TRIATTN_CUDA_TEST("a non-finite key fails the round on the device and compact mo
   const device_batch<triattn::paged_kv_view> dev(tc.caches);
   triattention_config cfg;
   cfg.round.grain = triattn::granularity::per_layer;
-  const gpu_round gpu = run_gpu_round(dev, tc, cfg, 0, 8);
+  const gpu_plan gpu = run_gpu_round(dev, tc, cfg, 0, 8);
   CHECK(gpu.status == static_cast<std::int32_t>(triattn::cuda::round_status::non_finite_key));
   CHECK(dev.mirror(0).download() == before, "the cache changed");
 }
@@ -308,14 +275,14 @@ void streaming_case(const triattn_test::cache_shape& shape, int batch, std::int6
   caches.reserve(static_cast<std::size_t>(batch));
   for (int b = 0; b < batch; ++b) caches.emplace_back(shape, g);
   const device_batch<V> dev(caches);
-  const gpu_round gpu = run_plan_round(dev, triattn::cuda::streaming_llm_scorer{sinks},
-                                       triattn::streaming_llm_config{}.round, nullptr, 0, budget);
+  const gpu_plan gpu = run_plan(dev.batch(), triattn::cuda::streaming_llm_scorer{sinks},
+                                triattn::streaming_llm_config{}.round, nullptr, 0, budget, /*compact=*/true);
   CHECK(gpu.status == 0);
   for (int b = 0; b < batch; ++b) {
     auto& c = caches[static_cast<std::size_t>(b)];
     const cpu::keep_rows expected = cpu::streaming_plan(c, sinks, budget);
     for (std::size_t row = 0; row < expected.size(); ++row)
-      CHECK(gpu.row_keep(static_cast<std::size_t>(b) * expected.size() + row, budget) == expected[row], "sequence ", b,
+      CHECK(gpu.row(static_cast<std::size_t>(b) * expected.size() + row) == expected[row], "sequence ", b,
             " row ", row);
     cpu::compact(c, expected);
     CHECK(dev.mirror(static_cast<std::size_t>(b)).download() == c.snapshot(), "cache of sequence ", b);
