@@ -155,6 +155,15 @@ struct policy_needs {
   bool stats = false;
 };
 
+/// The protection a comparison runs every policy under (`policy_inputs::protocol`): it
+/// replaces each policy's own prompt protection, and its sinks and recent window join each
+/// policy's own rule (`round_options::sinks`, `recent`).
+struct round_protocol {
+  bool protect_prompt = false;
+  std::int64_t sinks = 0;
+  std::int64_t recent = 0;
+};
+
 /// What some policies need besides the cache, and the caller's overrides.
 struct policy_inputs {
   const query_stats* stats = nullptr;  ///< TriAttention's calibration statistics
@@ -166,6 +175,9 @@ struct policy_inputs {
   /// When set, the recent queries that the policies reading queries score with and always
   /// keep (the CLI sets it to the rows of --queries).
   std::optional<int> window;
+  /// When set, the protection every round applies, the same for every policy (triattn_eval's
+  /// harmonised setting); unset, each policy keeps its own defaults.
+  std::optional<round_protocol> protocol;
 };
 
 /// The name of the uncompressed reference (no policy class).
@@ -197,12 +209,16 @@ struct basic_policy_entry {
 
 using policy_entry = basic_policy_entry<dense_kv_view>;
 
-namespace detail {
-
-/// `policy` with the caller's overrides, if any, type-erased.
-template <KVCacheView View, class P>
-basic_any_policy<View> configured(P policy, const policy_inputs& in) {
+/// `policy` with the caller's overrides in `in` (schedule, GQA aggregation, window, protocol),
+/// if any, type-erased: what the registry's factories return, for a policy configured by hand.
+template <KVCacheView View = dense_kv_view, class P>
+basic_any_policy<View> configured_policy(P policy, const policy_inputs& in) {
   if (in.sched) policy.config.round.sched = *in.sched;
+  if (in.protocol) {
+    policy.config.round.protect_prompt = in.protocol->protect_prompt;
+    policy.config.round.sinks = in.protocol->sinks;
+    policy.config.round.recent = in.protocol->recent;
+  }
   if constexpr (requires { policy.config.gqa; }) {
     if (in.gqa) policy.config.gqa = *in.gqa;
   }
@@ -212,11 +228,13 @@ basic_any_policy<View> configured(P policy, const policy_inputs& in) {
   return basic_any_policy<View>(std::move(policy));
 }
 
+namespace detail {
+
 /// The registry entry of policy class `P`: its name is `P::name`, and `make_policy()` its
 /// default configuration.
 template <KVCacheView View, class P, auto make_policy>
 constexpr basic_policy_entry<View> entry(std::string_view summary, policy_needs needs = {}) {
-  return {P::name, summary, [](const policy_inputs& in) { return configured<View>(make_policy(in), in); }, needs,
+  return {P::name, summary, [](const policy_inputs& in) { return configured_policy<View>(make_policy(in), in); }, needs,
           requires(P p) { p.config.gqa = gqa_aggregation::mean; }};
 }
 

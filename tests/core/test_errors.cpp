@@ -7,6 +7,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/random.hpp"
@@ -238,6 +239,26 @@ TEST_CASE("a budget below 1 is rejected, untouched") {
                          {"triattn::maybe_compress", "budget " + std::to_string(b)});
       }
       require_rejected(c, [&] { (void)policy.plan(v, 0); }, {"triattn::streaming_llm::plan", "budget 0"});
+    });
+  }
+}
+
+TEST_CASE("negative round sinks or recent window are rejected, untouched") {
+  auto g = triattn_test::rng(606);
+  for (const auto layout : triattn_test::all_layouts) {
+    INFO(layout_name(layout));
+    test_cache c = full_cache(g, layout);
+    c.with_view([&](const auto& v) {
+      for (const auto& [sinks, recent] : {std::pair<std::int64_t, std::int64_t>{-1, 0}, {0, -2}}) {
+        triattn::streaming_llm_config cfg;
+        cfg.round.sinks = sinks;
+        cfg.round.recent = recent;
+        triattn::streaming_llm policy(cfg);
+        const needles want = {"triattn::compress", "round sinks " + std::to_string(sinks),
+                              "recent " + std::to_string(recent)};
+        require_rejected(c, [&] { triattn::compress(policy, v, budget); }, want);
+        require_rejected(c, [&] { triattn::maybe_compress(policy, v, budget, {.position = 1000}); }, want);
+      }
     });
   }
 }

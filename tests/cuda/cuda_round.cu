@@ -171,7 +171,7 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
   INFO_SCOPE(policy_name(policy), " ", shape.describe(), " batch ", batch, " ", triattn::granularity_name(options.grain),
              options.reduction == triattn::row_reduction::max ? " max" : " mean",
              options.budget == triattn::budget_mode::beyond_prompt ? " beyond_prompt" : " with_prompt",
-             options.protect_prompt ? " protect_prompt" : "");
+             options.protect_prompt ? " protect_prompt" : "", " sinks ", options.sinks, " recent ", options.recent);
   round_case rc(shape, batch, g);
   const device_batch<V> dev(rc.caches);
   const triattn::kv_geometry geo = rc.caches.front().geometry();
@@ -238,6 +238,7 @@ TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline for every policy, granular
         options.reduction = reduction;
         options.budget = g() % 2 ? triattn::budget_mode::beyond_prompt : triattn::budget_mode::with_prompt;
         options.protect_prompt = g() % 2 == 0;
+        if (g() % 3 == 0) options.sinks = static_cast<std::int64_t>(g() % 6), options.recent = static_cast<std::int64_t>(g() % 6);
         const int batch = 1 + static_cast<int>(g() % 3);
         if (triattn_test::is_paged(layout))
           policy_case<triattn::paged_kv_view>(policy, shape, batch, options, g);

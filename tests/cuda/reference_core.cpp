@@ -93,6 +93,8 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
   const triattn::decision_map map{options.grain, g.num_layers, g.num_kv_heads};
   const bool beyond = options.budget == triattn::budget_mode::beyond_prompt;
   triattn::protection prot = rule.prot;
+  prot.first = std::max(prot.first, options.sinks);
+  prot.last = std::max(prot.last, options.recent);
   prot.prompt_length = options.protect_prompt || beyond ? prompt_length : 0;
   std::vector<std::vector<std::int32_t>> decided;
   for (int d = 0; d < map.decisions(); ++d) {

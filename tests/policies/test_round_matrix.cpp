@@ -307,7 +307,8 @@ struct trial {
     os << policy_name(kind) << " grain " << triattn::granularity_name(round.grain) << " reduction "
        << (round.reduction == triattn::row_reduction::max ? "max" : "mean") << " budget " << budget << " mode "
        << (round.budget == triattn::budget_mode::beyond_prompt ? "beyond_prompt" : "with_prompt") << " protect_prompt "
-       << round.protect_prompt << " prompt " << ctx.prompt_length << " position " << ctx.position
+       << round.protect_prompt << " sinks " << round.sinks << " recent " << round.recent << " prompt "
+       << ctx.prompt_length << " position " << ctx.position
        << (ties ? " ties" : "");
     return os.str();
   }
@@ -349,6 +350,11 @@ trial random_trial(std::mt19937_64& g, test_cache& c, policy_kind kind, granular
   t.round.reduction = coin(g) ? triattn::row_reduction::max : triattn::row_reduction::mean;
   t.round.budget = small(g) == 0 ? triattn::budget_mode::beyond_prompt : triattn::budget_mode::with_prompt;
   t.round.protect_prompt = small(g) == 0;
+  if (small(g) == 0) {  // the round's own sinks and recent window, on top of the policy's
+    std::uniform_int_distribution<std::int64_t> count(0, c.shape().capacity + 1);
+    t.round.sinks = count(g) / (1 + small(g));
+    t.round.recent = count(g) / (1 + small(g));
+  }
   t.round.sched = triattn::schedule::every_step();
   if (coin(g) && c.length(0, 0) > 0) {  // the prompt ends at a random slot of (0, 0)
     std::uniform_int_distribution<std::int32_t> slot(0, c.length(0, 0) - 1);
@@ -542,9 +548,13 @@ class row_oracle {
 /// The oracle's decisions of a trial; `unstable` is set when they are not to be trusted.
 std::vector<ref::round_decision> oracle_decisions(test_cache& c, const trial& t, bool* unstable = nullptr) {
   const row_oracle rows(c, t);
-  const ref::round_spec spec{t.round.grain, t.round.reduction == triattn::row_reduction::max,
-                             t.round.budget == triattn::budget_mode::beyond_prompt, t.round.protect_prompt,
-                             t.ctx.prompt_length};
+  const ref::round_spec spec{t.round.grain,
+                             t.round.reduction == triattn::row_reduction::max,
+                             t.round.budget == triattn::budget_mode::beyond_prompt,
+                             t.round.protect_prompt,
+                             t.ctx.prompt_length,
+                             t.round.sinks,
+                             t.round.recent};
   const int L = c.shape().num_layers, H = c.shape().num_kv_heads;
   std::vector<ref::round_decision> out;
   for (int d = 0; d < ref::decision_count(t.round.grain, L, H); ++d) {
@@ -731,6 +741,9 @@ TEST_CASE("the round oracle sees scored decisions on every policy and granularit
     trial t = random_trial(g, base, kind, grain, i % 4 == 3);
     t.ctx.prompt_length = 0;
     t.budget = 6;
+    t.round.sinks = std::min<std::int64_t>(t.round.sinks, 1);  // the round's protection leaves slots to score
+    t.round.recent = std::min<std::int64_t>(t.round.recent, 1);
+    t.h2o_cfg.round = t.vatp_cfg.round = t.snap_cfg.round = t.rkv_cfg.round = t.tri_cfg.round = t.round;
     if (kind == policy_kind::h2o || kind == policy_kind::vatp) {  // a split that leaves slots to score
       auto& h = kind == policy_kind::h2o ? t.h2o_cfg : t.vatp_cfg;
       h.heavy.reset();
@@ -839,6 +852,7 @@ TEST_CASE("a failed round leaves the cache untouched at every granularity and vi
         t.budget = 3;
         t.ctx.prompt_length = 0;
         t.round.protect_prompt = false;
+        t.round.sinks = t.round.recent = 0;
         t.round.budget = triattn::budget_mode::with_prompt;
         t.snap_cfg.window = t.rkv_cfg.window = 1;
         t.tri_cfg.window = 0;

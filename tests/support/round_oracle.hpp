@@ -3,8 +3,9 @@
 //
 //   decisions: per_layer: one per (layer, kv_head); per_kv_head: one per kv_head, rows = every
 //   layer; whole_sequence ("union"): one, rows = every (layer, kv_head), in row order;
-//   protected: the policy's first / last slots, plus the prompt's slots (positions below the
-//   prompt length) when the prompt is protected or kept beyond the budget;
+//   protected: the policy's first / last slots or the round's (its sinks and recent window),
+//   whichever reach further, plus the prompt's slots (positions below the prompt length) when
+//   the prompt is protected or kept beyond the budget;
 //   keep count: the policy's keep, plus the prompt's slots under beyond_prompt;
 //   score: each row scored by the policy's own oracle (its per-row score, given the candidate
 //   mask), folded by the sum (the mean's order) or the max over the decision's rows, in double;
@@ -42,6 +43,8 @@ struct round_spec {
   bool beyond_prompt = false;
   bool protect_prompt = false;
   std::int64_t prompt_length = 0;
+  std::int64_t sinks = 0;   ///< the round's own first slots
+  std::int64_t recent = 0;  ///< the round's own last slots
 };
 
 /// Decisions of a sequence of `layers` x `kv_heads` rows.
@@ -94,7 +97,8 @@ round_decision decide(const std::vector<std::pair<int, int>>& rows, const std::v
   for (std::int64_t s = 0; s < n; ++s) {
     const bool in_prompt = positions[s] < spec.prompt_length;
     prompt_slots += in_prompt ? 1 : 0;
-    d.prot[s] = s < rule.first || s >= n - rule.last || (prompt_kept && in_prompt);
+    d.prot[s] = s < rule.first || s < spec.sinks || s >= n - rule.last || s >= n - spec.recent ||
+                (prompt_kept && in_prompt);
     protected_slots += d.prot[s] ? 1 : 0;
   }
   const std::int64_t k = rule.kept + (spec.beyond_prompt ? prompt_slots : 0);

@@ -24,9 +24,10 @@
 ///    (`begin_round`); resolves the round start;
 /// 2. groups the (layer, kv_head) rows into decisions (`granularity.hpp`); rows that share a
 ///    decision must hold the same positions in the same slots;
-/// 3. per decision: the protected slots (`protection`: the policy's rule, plus the prompt when
-///    protected or kept beyond the budget); a decision whose protected slots or length fit what it keeps
-///    is settled without scoring; otherwise each row is scored and folded into one score
+/// 3. per decision: the protected slots (`protection`: the policy's rule joined with the
+///    options' sinks and recent window, and the prompt when protected or kept beyond the
+///    budget); a decision whose protected slots or length fit what it keeps is settled
+///    without scoring; otherwise each row is scored and folded into one score
 ///    per slot (`fold_row_score`: mean or max of the rows, in row order);
 /// 4. `select_keep`: protected slots first, then the best of the rest, ties to the lower slot,
 ///    ascending; the keep set goes to every row of the decision.
@@ -86,9 +87,19 @@ struct round_options {
   budget_mode budget = budget_mode::with_prompt;
   bool protect_prompt = false;  ///< keep the prompt's slots (counted in the budget unless beyond_prompt)
   schedule sched = schedule::with_slack(128);  ///< when `maybe_compress` runs a round
+  /// Slots every round keeps on top of the policy's own rule, whatever the policy: the first
+  /// `sinks` and the last `recent` of each (layer, kv_head), counted in the budget. With
+  /// `protect_prompt` they make one protocol that any policy can be run under (a comparison
+  /// of policies holds them equal); 0 leaves the policy's own protection alone.
+  std::int64_t sinks = 0;
+  std::int64_t recent = 0;
 
   /// Whether a round protects the prompt's slots: asked for, or kept on top of the budget.
   TRIATTN_HOST_DEVICE bool keeps_prompt() const { return protect_prompt || budget == budget_mode::beyond_prompt; }
+  /// What these options protect besides the policy's rule, for a prompt of `prompt_length` tokens.
+  TRIATTN_HOST_DEVICE protection protected_slots(std::int64_t prompt_length) const {
+    return {sinks, recent, keeps_prompt() ? prompt_length : 0};
+  }
 };
 
 /// A round as the policy sees it: the resolved round start, the prompt, the caller's budget.
@@ -192,6 +203,8 @@ template <class P, KVCacheView V>
 keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, const round_context& ctx,
                          const char* api) {
   const round_options& opts = policy.round();
+  TRIATTN_CHECK(opts.sinks >= 0 && opts.recent >= 0, api, "round sinks ", opts.sinks, " and recent ", opts.recent,
+                " must be >= 0");
   const round_info info{resolve_round_start(api, view, ctx), ctx.prompt_length, budget};
   auto rows = policy.begin_round(api, view, info);
 
@@ -200,7 +213,7 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
   if (map.rows() > 1) detail::check_shared_rows(api, view, map);
 
   const row_rule rule = detail::rule_of(policy, info);
-  const protection prot = rule.prot.with_prompt(opts.keeps_prompt() ? ctx.prompt_length : 0);
+  const protection prot = rule.prot.joined(opts.protected_slots(ctx.prompt_length));
 
   // Per decision: its protected slots and kept count (serial, one pass over positions).
   struct decision {

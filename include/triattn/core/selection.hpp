@@ -162,7 +162,8 @@ TRIATTN_HOST_DEVICE std::int64_t recent_window_begin(std::int64_t n, std::int64_
 /// paths. A slot of a (layer, kv_head) holding `n` slots is protected when it is among the
 /// first `first` slots (attention sinks), among the last `last` slots (the recent window), or
 /// holds a position below `prompt_length` (the prompt's tokens). A policy states its sinks and
-/// recent window (`sinks_and_recent`); the round adds the prompt when it keeps it (`with_prompt`).
+/// recent window (`sinks_and_recent`); the round joins its own options' sinks, recent window
+/// and prompt (`round_options::protected_slots`) to it (`joined`).
 struct protection {
   std::int64_t first = 0;          ///< attention sinks
   std::int64_t last = 0;           ///< recent window
@@ -172,8 +173,11 @@ struct protection {
   static TRIATTN_HOST_DEVICE protection sinks_and_recent(std::int64_t sinks, std::int64_t recent) {
     return {sinks, recent, 0};
   }
-  /// This protection with the prompt's positions [0, prompt_length) protected too.
-  TRIATTN_HOST_DEVICE protection with_prompt(std::int64_t prompt) const { return {first, last, prompt}; }
+  /// The slots either protection protects (each bound the larger of the two).
+  TRIATTN_HOST_DEVICE protection joined(const protection& o) const {
+    return {first > o.first ? first : o.first, last > o.last ? last : o.last,
+            prompt_length > o.prompt_length ? prompt_length : o.prompt_length};
+  }
 };
 
 /// Whether slot `s` of `n` slots, holding `position`, is protected.

@@ -65,6 +65,7 @@ struct device_round {
   row_reduction reduction = row_reduction::mean;
   bool prompt_kept = false;    ///< the prompt's slots are protected (protect_prompt or beyond_prompt)
   bool beyond_prompt = false;  ///< a decision keeps the prompt's slots on top of its budget
+  std::int64_t sinks = 0, recent = 0;  ///< `round_options::sinks` and `recent`
 
   /// Sequence `b`'s round, as the CPU's `round_info`.
   TRIATTN_HOST_DEVICE round_info info(int b) const {
@@ -73,12 +74,13 @@ struct device_round {
   }
 };
 
-/// Sequence `b`'s protection and kept count: the scorer's rule, and the prompt when it is kept.
+/// Sequence `b`'s protection and kept count: the scorer's rule joined with the round's sinks,
+/// recent window and prompt (when it is kept), as the CPU's `round_options::protected_slots`.
 template <class Scorer>
 TRIATTN_HOST_DEVICE row_rule sequence_rule(const Scorer& scorer, const device_round& round, int b) {
   const round_info info = round.info(b);
   row_rule rule = scorer.rule(info);
-  rule.prot = rule.prot.with_prompt(round.prompt_kept ? info.prompt_length : 0);
+  rule.prot = rule.prot.joined({round.sinks, round.recent, round.prompt_kept ? info.prompt_length : 0});
   return rule;
 }
 
@@ -176,6 +178,8 @@ inline cudaError_t check_round_options(const char* api, const round_options& o) 
     return reject(api, "row reduction ", static_cast<int>(o.reduction), " is not a triattn::row_reduction");
   if (o.budget != budget_mode::with_prompt && o.budget != budget_mode::beyond_prompt)
     return reject(api, "budget mode ", static_cast<int>(o.budget), " is not a triattn::budget_mode");
+  if (o.sinks < 0 || o.recent < 0)
+    return reject(api, "round sinks ", o.sinks, " and recent ", o.recent, " must be >= 0");
   return cudaSuccess;
 }
 
@@ -186,13 +190,14 @@ template <KVCacheView V>
 device_round make_device_round(const view_batch<V>& batch, const round_options& options, const round_inputs& inputs) {
   const kv_geometry& g = batch.geometry;
   return {inputs, decision_map{options.grain, g.num_layers, g.num_kv_heads}, options.reduction,
-          options.keeps_prompt(), options.budget == budget_mode::beyond_prompt};
+          options.keeps_prompt(), options.budget == budget_mode::beyond_prompt, options.sinks, options.recent};
 }
 
 /// The keep plan of one round of `scorer` over every sequence of `batch`: the CPU's
 /// `plan_round` (core/round.hpp) for each sequence b, with budget `inputs.budgets[b]` and the
 /// context `inputs.round_starts[b]`, `inputs.prompt_lengths[b]`, under `options` (granularity,
-/// row reduction, budget mode, prompt protection; its schedule is the caller's business).
+/// row reduction, budget mode, prompt protection, sinks and recent window; its schedule is
+/// the caller's business).
 /// Writes `plan.keep` [batch, layers, kv_heads, plan.stride] and `plan.kept` [batch, layers,
 /// kv_heads], the plan `compact` reads; `plan.stride` must hold every decision's kept count
 /// (the largest budget, plus the prompt with `beyond_prompt`). CUB-style workspace (see
