@@ -4,13 +4,9 @@
 #pragma once
 
 #include <algorithm>
-#include <thread>
-#include <mutex>
-#include <functional>
-#include <exception>
-#include <chrono>
 #include <atomic>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +14,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -65,12 +62,31 @@ inline double parse_double(const std::string& opt, const std::string& v, double 
   return x;
 }
 
-/// `--name value` / `--name=value` pairs of a subcommand; an option not in `known` is an error.
+/// When the rounds of a compressed prefill run (`--compress-at`).
+enum class prefill_rounds : std::uint8_t {
+  chunks,  ///< after every chunk that leaves more than the budget cached
+  end,     ///< once, after the whole prompt (kvpress's setting)
+};
+
+inline prefill_rounds parse_prefill_rounds(const std::string& v) {
+  if (v == "chunks") return prefill_rounds::chunks;
+  if (v == "end") return prefill_rounds::end;
+  throw usage_error{"option --compress-at: '" + v + "' is not chunks or end"};
+}
+inline const char* prefill_rounds_name(prefill_rounds r) { return r == prefill_rounds::end ? "end" : "chunks"; }
+
+/// `--name value` / `--name=value` pairs of a subcommand, and the bare `flags` (stored as "1");
+/// an option in neither list is an error.
 inline std::map<std::string, std::string> subcommand_options(int argc, char** argv,
-                                                             std::initializer_list<std::string_view> known) {
+                                                             std::initializer_list<std::string_view> known,
+                                                             std::initializer_list<std::string_view> flags = {}) {
   std::map<std::string, std::string> out;
   for (int i = 2; i < argc; ++i) {
     std::string arg = argv[i];
+    if (std::find(flags.begin(), flags.end(), arg) != flags.end()) {
+      out[arg] = "1";
+      continue;
+    }
     std::optional<std::string> value;
     if (const auto eq = arg.find('='); eq != std::string::npos) {
       value = arg.substr(eq + 1);

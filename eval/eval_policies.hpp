@@ -40,10 +40,44 @@ class recent_window : public triattn::policy_base<recent_window> {
   triattn::round_options round_{};
 };
 
-/// A fresh policy for one sequence on the evaluation's schedule; std::nullopt for `full`.
-/// `seed` is per sequence.
+/// What every row of one evaluation shares: the schedule, and the protection protocol (unset:
+/// each policy's own defaults, its paper's setting). The references `random` and `window`
+/// choose by draw or position alone and take only the schedule.
+struct row_setting {
+  triattn::schedule sched = triattn::schedule::every_step();
+  std::optional<triattn::round_protocol> protocol;
+};
+
+/// `--protocol`'s value: `own` (each policy's defaults: std::nullopt), or a comma list of
+/// `prompt` (protect the prompt), `sinks=N` and `recent=N`, anything unsaid off (`none`: all
+/// off); e.g. `sinks=4,recent=16`. Throws usage_error naming the value.
+inline std::optional<triattn::round_protocol> parse_protocol(const std::string& v) {
+  if (v == "own") return std::nullopt;
+  triattn::round_protocol p;
+  if (v == "none") return p;
+  for (const std::string& part : split(v)) {
+    if (part == "prompt") p.protect_prompt = true;
+    else if (part.starts_with("sinks=")) p.sinks = parse_int("--protocol sinks", part.substr(6), 0);
+    else if (part.starts_with("recent=")) p.recent = parse_int("--protocol recent", part.substr(7), 0);
+    else
+      throw usage_error{"option --protocol: '" + v + "' is not own, none or a list of prompt, sinks=N, recent=N"};
+  }
+  return p;
+}
+
+/// `protocol` as `--protocol` writes it (`own` when unset), for tables and CSV files.
+inline std::string protocol_name(const std::optional<triattn::round_protocol>& protocol) {
+  if (!protocol) return "own";
+  std::string out = protocol->protect_prompt ? "prompt" : "";
+  if (protocol->sinks > 0) out += (out.empty() ? "sinks=" : ",sinks=") + std::to_string(protocol->sinks);
+  if (protocol->recent > 0) out += (out.empty() ? "recent=" : ",recent=") + std::to_string(protocol->recent);
+  return out.empty() ? "none" : out;
+}
+
+/// A fresh policy for one sequence under the evaluation's `row_setting`; std::nullopt for
+/// `full`. `seed` is per sequence.
 using policy_factory = std::function<std::optional<triattn::any_policy>(const triattn::query_stats*, std::uint64_t seed,
-                                                                        const triattn::schedule& sched)>;
+                                                                        const row_setting& setting)>;
 
 struct eval_policy {
   std::string name;
@@ -52,24 +86,29 @@ struct eval_policy {
   policy_factory make;
 };
 
-/// A registry policy, as the registry builds it, on the evaluation's schedule.
+/// The registry's overrides for a row under `setting`.
+inline triattn::policy_inputs inputs_for(const triattn::query_stats* stats, const row_setting& setting) {
+  triattn::policy_inputs in;
+  in.stats = stats;
+  in.sched = setting.sched;
+  in.protocol = setting.protocol;
+  return in;
+}
+
+/// A registry policy, as the registry builds it, under the evaluation's setting.
 inline eval_policy from_registry(const triattn::policy_entry& e) {
   return {std::string(e.name), std::string(e.summary), e.needs.stats,
-          [&e](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
-            triattn::policy_inputs in;
-            in.stats = s;
-            in.sched = sched;
-            return e.create(in);
+          [&e](const triattn::query_stats* s, std::uint64_t, const row_setting& setting) {
+            return e.create(inputs_for(s, setting));
           }};
 }
 
-/// A TriAttention variant; its own trigger (the seed preset's) is replaced by the common schedule.
+/// A TriAttention variant; its own trigger (the seed preset's) and protection give way to the
+/// evaluation's setting, as the registry's policies do.
 inline eval_policy tri(std::string name, std::string summary, triattn::triattention_config c) {
   return {std::move(name), std::move(summary), true,
-          [c](const triattn::query_stats* s, std::uint64_t, const triattn::schedule& sched) {
-            triattn::triattention_config with = c;
-            with.round.sched = sched;
-            return std::optional(triattn::any_policy(triattn::triattention(*s, with)));
+          [c](const triattn::query_stats* s, std::uint64_t, const row_setting& setting) {
+            return triattn::configured_policy(triattn::triattention(*s, c), inputs_for(s, setting));
           }};
 }
 
@@ -87,12 +126,12 @@ inline std::vector<eval_policy> all_policies() {
   const triattn::policy_entry* full = triattn::find_policy(triattn::full_name);
   p.push_back(from_registry(*full));
   p.push_back({std::string(triattn_eval::random_eviction::name), "uniformly random keep sets (the floor)", false,
-               [](const triattn::query_stats*, std::uint64_t seed, const triattn::schedule& sched) {
-                 return std::optional(triattn::any_policy(triattn_eval::random_eviction(seed, sched)));
+               [](const triattn::query_stats*, std::uint64_t seed, const row_setting& setting) {
+                 return std::optional(triattn::any_policy(triattn_eval::random_eviction(seed, setting.sched)));
                }});
   p.push_back({std::string(recent_window::name), "the last B tokens (plain recency)", false,
-               [](const triattn::query_stats*, std::uint64_t, const triattn::schedule& sched) {
-                 return std::optional(triattn::any_policy(recent_window(sched)));
+               [](const triattn::query_stats*, std::uint64_t, const row_setting& setting) {
+                 return std::optional(triattn::any_policy(recent_window(setting.sched)));
                }});
   for (const triattn::policy_entry& e : triattn::policy_registry)
     if (e.compresses()) p.push_back(from_registry(e));

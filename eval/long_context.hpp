@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -33,6 +34,7 @@
 #include <numeric>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -96,13 +98,16 @@ inline double distinct_ngrams(const std::vector<int>& tokens, std::size_t n) {
   return static_cast<double>(seen.size()) / static_cast<double>(tokens.size() + 1 - n);
 }
 
-/// The policies and statistics of a command's `--policies` / `--stats`.
+/// The policies, statistics and protocol of a command's `--policies` / `--stats` / `--protocol`.
 struct policy_set {
   std::vector<eval_policy> policies;  ///< without `full`, which every batch has anyway
   std::optional<triattn::query_stats> stats;
+  std::optional<triattn::round_protocol> protocol;  ///< unset: each policy's own defaults
   bool has_full = false;
 
-  policy_set(const std::string& list, const std::optional<std::string>& stats_path) {
+  policy_set(const std::string& list, const std::optional<std::string>& stats_path,
+             std::optional<triattn::round_protocol> protocol_ = std::nullopt)
+      : protocol(protocol_) {
     bool need_stats = false;
     for (const std::string& name : split(list)) {
       if (name == triattn::full_name) {
@@ -118,6 +123,10 @@ struct policy_set {
     }
   }
   const triattn::query_stats* stats_ptr() const { return stats ? &*stats : nullptr; }
+  /// Row `p`'s policy for one sequence (`seed`: see `row_seed`) on `sched`, under the protocol.
+  triattn::any_policy make(std::size_t p, std::uint64_t seed, const triattn::schedule& sched) const {
+    return *policies[p].make(stats_ptr(), seed, {sched, protocol});
+  }
 };
 
 /// A seed per (row, sequence) for the policies that draw (random): independent of threads.
@@ -139,6 +148,7 @@ struct long_options {
   int repeat_window = triattn_runner::answer_sampler::default_window;
   std::uint64_t seed = 1;
   int threads = 0;
+  std::optional<triattn::round_protocol> protocol;  ///< --protocol (unset: each policy's own)
 };
 
 /// Sums over the scored positions of one (row, prompt).
@@ -196,8 +206,8 @@ inline std::vector<long_prompt_result> run_long_prompts(const triattn_runner::te
     x.full.set_observer(&x.trunk);
     for (std::size_t j = 0; j < rows; ++j) {
       const std::size_t p = j / B, b = j % B;
-      std::optional<triattn::any_policy> pol = ps.policies[p].make(ps.stats_ptr(), row_seed(j, i), sched);
-      x.trunk.ride(x.seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), std::move(*pol), budgets[b]));
+      x.trunk.ride(x.seqs.emplace_back(m, std::min(P + T, sched.peak_tokens(budgets[b])), ps.make(p, row_seed(j, i), sched),
+                                       budgets[b]));
     }
     // Every row of a budget first compresses on the same step (the shared slack trigger on a
     // cache that has grown one token a step): it branches off the trunk there, and the full
@@ -334,7 +344,7 @@ inline long_options parse_long(int argc, char** argv) {
   const auto o = subcommand_options(argc, argv,
                                     {"--model", "--prompts", "--stats", "--out", "--policies", "--budgets", "--tokens",
                                      "--slack", "--temperature", "--repeat-penalty", "--repeat-window", "--seed",
-                                     "--threads"});
+                                     "--threads", "--protocol"});
   long_options l;
   l.model = required(o, "--model", "long");
   l.prompts = required(o, "--prompts", "long");
@@ -350,18 +360,19 @@ inline long_options parse_long(int argc, char** argv) {
   if (o.contains("--repeat-window")) l.repeat_window = static_cast<int>(parse_int("--repeat-window", o.at("--repeat-window"), 0));
   if (o.contains("--seed")) l.seed = static_cast<std::uint64_t>(parse_int("--seed", o.at("--seed"), 0));
   if (o.contains("--threads")) l.threads = static_cast<int>(parse_int("--threads", o.at("--threads"), 1));
+  if (o.contains("--protocol")) l.protocol = parse_protocol(o.at("--protocol"));
   return l;
 }
 
 /// `long --model M --prompts FILE --policies LIST --out DIR [--stats S] [--budgets 128,256,512]
 /// [--tokens 2048] [--slack 64] [--temperature 0.7] [--repeat-penalty 1.2] [--repeat-window 128] [--seed 1]
-/// [--threads T]`.
+/// [--threads T] [--protocol own|none|prompt,sinks=N,recent=N]`.
 inline int run_long(int argc, char** argv) {
   const long_options o = parse_long(argc, argv);
   const char* api = "triattn_eval long";
+  const policy_set ps(o.policies, o.stats, o.protocol);
   const triattn_runner::text_model tm = triattn_runner::text_model::load(o.model, "", api);
   const std::vector<std::string> prompts = triattn_runner::read_prompts(o.prompts, api);
-  const policy_set ps(o.policies, o.stats);
   std::vector<std::int64_t> budgets;
   for (const std::string& b : split(o.budgets)) budgets.push_back(parse_int("--budgets", b, 1));
   if (budgets.empty() || ps.policies.empty()) throw usage_error{"long: --budgets and --policies need a compressing row"};
@@ -382,7 +393,7 @@ inline int run_long(int argc, char** argv) {
   // Per (row, prompt) means, then mean and standard error across prompts.
   std::ostringstream csv, per, md, answers;
   csv << "policy,budget,kl,kl_se,top1,top1_se,nll,nll_se,ppl,gen_prefix,gen_prefix_se,kv_bytes,prompts,positions,"
-         "slack,tokens,temperature\n";
+         "slack,tokens,temperature,protocol\n";
   per << "policy,budget,prompt,kl,top1,nll,gen_prefix,positions,kv_bytes\n";
   md << "# Decode-time compression of long generations (triattn_eval long)\n\n"
      << "Prompts: " << N << " (" << o.prompts.filename().string() << "), each answered by the full-cache model with "
@@ -390,6 +401,8 @@ inline int run_long(int argc, char** argv) {
      << fmt("%g", o.repeat_penalty) << " over the last " << o.repeat_window << " tokens (seed " << o.seed
      << ", end-of-turn tokens excluded); every row is teacher-forced along that answer. Slack trigger D = " << o.slack
      << " for every policy (a round when the cache reaches budget + D cuts it to budget; peak budget + D). "
+     << "Protection: " << (o.protocol ? "`" + protocol_name(o.protocol) + "` for every policy" : "each policy's own defaults")
+     << " (`--protocol`). "
      << "KL(full || compressed) in nats, top-1 agreement with the full cache and NLL of the answer's tokens, over every "
      << "answer position after the first compression (the same positions for every row of a budget); gen_prefix: the "
      << "mean number of answer tokens a free-running compressed model writes before its first token that differs "
@@ -402,7 +415,8 @@ inline int run_long(int argc, char** argv) {
     csv << name << ',' << budget << ',' << fmt("%.6f", k.mean) << ',' << fmt("%.6f", k.se) << ',' << fmt("%.6f", t.mean)
         << ',' << fmt("%.6f", t.se) << ',' << fmt("%.6f", n.mean) << ',' << fmt("%.6f", n.se) << ','
         << fmt("%.4f", std::exp(n.mean)) << ',' << fmt("%.2f", g.mean) << ',' << fmt("%.2f", g.se) << ',' << bytes << ','
-        << N << ',' << positions << ',' << o.slack << ',' << o.tokens << ',' << fmt("%g", o.temperature) << '\n';
+        << N << ',' << positions << ',' << o.slack << ',' << o.tokens << ',' << fmt("%g", o.temperature) << ",\""
+        << protocol_name(o.protocol) << "\"\n";
     md << "| " << name << " | " << budget << " | " << fmt("%.4f", k.mean) << " ± " << fmt("%.4f", k.se) << " | "
        << fmt("%.1f", 100 * t.mean) << " ± " << fmt("%.1f", 100 * t.se) << " | " << fmt("%.4f", n.mean) << " ± "
        << fmt("%.4f", n.se) << " | " << fmt("%.0f", g.mean) << " ± " << fmt("%.0f", g.se) << " | " << bytes << " |\n";
@@ -462,20 +476,115 @@ inline int run_long(int argc, char** argv) {
 
 struct passkey_options {
   fs::path model, out;
-  std::optional<std::string> stats;
+  std::optional<std::string> stats, haystack_prompts;
   std::string policies, fractions = "0.1,0.25,0.5", contexts = "1024,2048,4096", depths = "0.1,0.3,0.5,0.7,0.9";
-  int trials = 1, chunk = 128, answer_tokens = 8, threads = 0;
+  std::string families = "passkey";
+  int trials = 1, chunk = 128, answer_tokens = 8, threads = 0, haystack_tokens = 1024;
   std::uint64_t seed = 1;
+  prefill_rounds at = prefill_rounds::chunks;
+  std::optional<triattn::round_protocol> protocol;  ///< --protocol (unset: each policy's own)
 };
 
-/// One passkey prompt: the context (prefilled in chunks), the question, and the key.
+/// The retrieval families (`--families`): llama.cpp's passkey in its repeated filler, and three
+/// with needles in prose the model wrote itself (`write_haystack`): one needle; four needles of
+/// one form, the question asking for one; a needle the question words differently.
+inline constexpr std::string_view retrieval_families[] = {"passkey", "single", "multikey", "paraphrase"};
+
+/// One retrieval prompt: the context (prefilled in chunks), the question, and the key.
 struct passkey_sample {
+  std::string family = "passkey";
   std::int64_t context = 0;  ///< the asked context length in tokens
   double depth = 0;
   int trial = 0;
   int key = 0;
   std::vector<int> prefill, question;
 };
+
+/// Prose the model wrote itself, in sentences: the haystacks of the needle families, so that
+/// no sentence repeats and the needle is not the only thing that differs.
+struct haystack {
+  std::vector<std::string> sentences;  ///< each starting with a space
+  std::vector<std::int64_t> tokens;    ///< the tokens of each sentence alone
+};
+
+/// The sentences of `text`: cut after '.', '!' or '?' and at line ends, trimmed; without the
+/// sentences that hold a digit (no number of the haystack competes with a key) or no letter.
+inline std::vector<std::string> sentences_of(std::string_view text) {
+  std::vector<std::string> out;
+  std::string cur;
+  const auto flush = [&] {
+    const auto a = cur.find_first_not_of(" \t\r");
+    const bool digit = cur.find_first_of("0123456789") != std::string::npos;
+    const bool letter = std::any_of(cur.begin(), cur.end(), [](char c) { return std::isalpha(static_cast<unsigned char>(c)); });
+    if (a != std::string::npos && !digit && letter) out.push_back(" " + cur.substr(a, cur.find_last_not_of(" \t\r") + 1 - a));
+    cur.clear();
+  };
+  for (const char c : text) {
+    if (c == '\n') {
+      flush();
+      continue;
+    }
+    cur += c;
+    if (c == '.' || c == '!' || c == '?') flush();
+  }
+  flush();
+  return out;
+}
+
+/// The haystack: the model's answers to `prompts` (its chat template), `tokens` tokens each,
+/// sampled at temperature 0.7 with the long-answer repetition penalty from `seed` (prompt i
+/// draws from window_rng(seed, i)), end-of-turn tokens excluded; all in one batch.
+inline haystack write_haystack(const triattn_runner::text_model& tm, const std::vector<std::string>& prompts, int tokens,
+                               std::uint64_t seed, triattn_runner::batch_decoder& decoder) {
+  const triattn_runner::model& m = tm.model();
+  const std::vector<std::uint8_t> allowed = tm.non_ending_tokens();
+  struct writer {
+    std::vector<int> prompt, answer;
+    triattn_runner::session s;
+    std::mt19937_64 rng;
+    triattn_runner::answer_sampler sampler;
+  };
+  std::deque<writer> w;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    std::vector<int> p = tm.chat(prompts[i]);
+    const auto capacity = static_cast<std::int64_t>(p.size()) + tokens;
+    w.push_back({std::move(p), {}, triattn_runner::session(m, capacity), triattn_runner::window_rng(seed, i),
+                 triattn_runner::answer_sampler(0.7, triattn_runner::answer_sampler::default_penalty,
+                                                triattn_runner::answer_sampler::default_window, allowed)});
+  }
+  std::vector<triattn_runner::session*> batch;
+  std::vector<int> in;
+  for (std::size_t t = 0;; ++t) {
+    batch.clear();
+    in.clear();
+    std::vector<writer*> who;
+    for (writer& x : w)
+      if (x.answer.size() < static_cast<std::size_t>(tokens)) {
+        batch.push_back(&x.s);
+        in.push_back(t < x.prompt.size() ? x.prompt[t] : x.answer.back());
+        who.push_back(&x);
+      }
+    if (batch.empty()) break;
+    decoder.step(batch, in);
+    for (std::size_t k = 0; k < who.size(); ++k) {
+      writer& x = *who[k];
+      if (t + 1 < x.prompt.size()) continue;
+      const int next = x.sampler.draw(decoder.logits(static_cast<int>(k)), triattn_runner::uniform_draw(x.rng));
+      x.sampler.push(next);
+      x.answer.push_back(next);
+    }
+  }
+  haystack h;
+  const auto start = static_cast<std::int64_t>(tm.encode("").size());
+  for (const writer& x : w)
+    for (std::string& sentence : sentences_of(tm.decode(x.answer))) {
+      h.tokens.push_back(static_cast<std::int64_t>(tm.encode(sentence).size()) - start);
+      h.sentences.push_back(std::move(sentence));
+    }
+  TRIATTN_CHECK(h.sentences.size() >= 8, "triattn_eval passkey", "the haystack holds ", h.sentences.size(),
+                " usable sentences; give more --haystack-prompts or --haystack-tokens");
+  return h;
+}
 
 /// llama.cpp's `passkey` example's text (examples/passkey/passkey.cpp): the instruction, filler
 /// sentences with the key sentence after `round(depth x fillers)` of them, as many fillers as
@@ -488,7 +597,7 @@ inline passkey_sample make_passkey(const triattn_runner::text_model& tm, std::in
   constexpr std::string_view filler =
       " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
   constexpr std::string_view question = " What is the pass key? The pass key is";
-  passkey_sample s{context, depth, trial, 0, {}, {}};
+  passkey_sample s{"passkey", context, depth, trial, 0, {}, {}};
   std::mt19937_64 g = triattn_runner::window_rng(seed ^ static_cast<std::uint64_t>(context),
                                           static_cast<std::size_t>(std::llround(depth * 1000)) * 1000 + trial);
   s.key = 10000 + static_cast<int>(g() % 90000);
@@ -507,6 +616,101 @@ inline passkey_sample make_passkey(const triattn_runner::text_model& tm, std::in
   if (at >= fillers) text += needle;
   std::vector<int> all = tm.encode(text + std::string(question));
   s.question = tm.encode(question);
+  s.question.erase(s.question.begin(), s.question.begin() + start);
+  TRIATTN_CHECK(all.size() > s.question.size() &&
+                    std::equal(s.question.begin(), s.question.end(), all.end() - static_cast<std::ptrdiff_t>(s.question.size())),
+                "triattn_eval passkey", "the question does not tokenize the same at the end of the prompt");
+  s.prefill.assign(all.begin(), all.end() - static_cast<std::ptrdiff_t>(s.question.size()));
+  return s;
+}
+
+/// The needle(s) and the question of one needle family's sample, the key first.
+struct needle_case {
+  std::string asked;                 ///< the needle that holds the key
+  std::vector<std::string> others;   ///< the distractor needles (multikey)
+  std::string question;
+};
+
+/// A needle family's needles and question for `key` (`others`: the distractors' keys).
+inline needle_case needle_text(const std::string& family, int key, const std::vector<int>& others, std::mt19937_64& g) {
+  static constexpr std::string_view colours[] = {"blue", "red", "green", "yellow", "white", "black", "orange", "purple"};
+  // Each pair: the needle, and a question that names the same thing in other words.
+  static constexpr std::pair<std::string_view, std::string_view> paraphrases[] = {
+      {" Anna wrote the number @ on a small card and hid it under the flower pot by the door.",
+       " Question: which number is on the card that Anna put beneath the plant pot? Answer: the number is"},
+      {" The locker at the old gym opens with the combination @.",
+       " Question: what combination unlocks the locker in the former sports hall? Answer: the combination is"},
+      {" Captain Reyes told the crew that the ship's radio would stay on channel @ for the whole voyage.",
+       " Question: on which channel was the vessel's radio kept during the trip? Answer: the channel was"},
+      {" Grandpa kept his bank account number, @, written inside the band of his hat.",
+       " Question: what account number did the old man keep inside his cap? Answer: the account number is"},
+  };
+  const auto fill = [](std::string_view t, int k) {
+    std::string out(t);
+    out.replace(out.find('@'), 1, std::to_string(k));
+    return out;
+  };
+  needle_case c;
+  if (family == "paraphrase") {
+    const auto& [needle, question] = paraphrases[g() % std::size(paraphrases)];
+    c.asked = fill(needle, key);
+    c.question = question;
+    return c;
+  }
+  std::vector<std::string_view> pick(std::begin(colours), std::end(colours));
+  std::shuffle(pick.begin(), pick.end(), g);
+  const auto door = [](std::string_view colour, int k) {
+    return " The secret code of the " + std::string(colour) + " door is " + std::to_string(k) + ".";
+  };
+  c.asked = door(pick[0], key);
+  for (std::size_t i = 0; i < others.size(); ++i) c.others.push_back(door(pick[1 + i], others[i]));
+  c.question = " Question: what is the secret code of the " + std::string(pick[0]) + " door? Answer: the secret code of the " +
+               std::string(pick[0]) + " door is";
+  return c;
+}
+
+/// A sample of needle family `family` (single, multikey or paraphrase) in `hay`: an
+/// instruction, haystack sentences from a random start (cyclically) up to `context` tokens
+/// with the question, the asked needle after `round(depth x sentences)` of them and the
+/// distractors (multikey: 3) after random others, then the question.
+inline passkey_sample make_needle_sample(const triattn_runner::text_model& tm, const haystack& hay, const std::string& family,
+                                         std::int64_t context, double depth, int trial, std::uint64_t seed) {
+  constexpr std::string_view prefix =
+      "Read the text below. A secret is hidden in it, and you will be asked about it at the end.\n\n";
+  std::uint64_t salt = 0;
+  for (const char c : family) salt = salt * 131 + static_cast<unsigned char>(c);
+  std::mt19937_64 g = triattn_runner::window_rng(seed ^ salt ^ static_cast<std::uint64_t>(context) << 20,
+                                                 static_cast<std::size_t>(std::llround(depth * 1000)) * 1000 + trial);
+  passkey_sample s{family, context, depth, trial, 0, {}, {}};
+  std::set<int> keys;
+  while (keys.size() < (family == "multikey" ? 4u : 1u)) keys.insert(10000 + static_cast<int>(g() % 90000));
+  std::vector<int> others(keys.begin(), keys.end());
+  std::shuffle(others.begin(), others.end(), g);
+  s.key = others.front();
+  others.erase(others.begin());
+  const needle_case c = needle_text(family, s.key, others, g);
+  const auto start = static_cast<std::int64_t>(tm.encode("").size());
+  const auto tokens = [&](std::string_view text) { return static_cast<std::int64_t>(tm.encode(text).size()) - start; };
+  std::int64_t used = start + tokens(prefix) + tokens(c.asked) + tokens(c.question);
+  for (const std::string& o : c.others) used += tokens(o);
+  std::vector<std::size_t> picked;
+  const std::size_t n = hay.sentences.size();
+  for (std::size_t i = static_cast<std::size_t>(g() % n); used < context; i = (i + 1) % n) {
+    picked.push_back(i);
+    used += hay.tokens[i];
+  }
+  if (picked.size() > 1) picked.pop_back();  // stay within the context
+  const auto at = static_cast<std::size_t>(std::llround(depth * static_cast<double>(picked.size())));
+  std::vector<std::vector<const std::string*>> after(picked.size() + 1);  // needles after k sentences
+  after[at].push_back(&c.asked);
+  for (const std::string& o : c.others) after[static_cast<std::size_t>(g() % (picked.size() + 1))].push_back(&o);
+  std::string text(prefix);
+  for (std::size_t k = 0; k <= picked.size(); ++k) {
+    for (const std::string* needle : after[k]) text += *needle;
+    if (k < picked.size()) text += hay.sentences[picked[k]];
+  }
+  std::vector<int> all = tm.encode(text + c.question);
+  s.question = tm.encode(c.question);
   s.question.erase(s.question.begin(), s.question.begin() + start);
   TRIATTN_CHECK(all.size() > s.question.size() &&
                     std::equal(s.question.begin(), s.question.end(), all.end() - static_cast<std::ptrdiff_t>(s.question.size())),
@@ -561,11 +765,11 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const triatt
     x.answers.resize(1 + rows);
     for (std::size_t j = 0; j < rows; ++j) {
       const std::int64_t budget = std::max<std::int64_t>(1, std::llround(fractions[j % F] * static_cast<double>(s.context)));
-      std::optional<triattn::any_policy> pol =
-          ps.policies[j / F].make(ps.stats_ptr(), row_seed(j, first_index + i), triattn::schedule::every_step());
+      // A row leaves the trunk holding at most a chunk past its budget, or the whole prefill.
+      const std::int64_t cut_at = o.at == prefill_rounds::end ? length : budget + o.chunk;
       x.trunk.ride(x.seqs.emplace_back(
-          m, std::min(length, budget + o.chunk + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
-          std::move(*pol), budget));
+          m, std::min(length, cut_at + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
+          ps.make(j / F, row_seed(j, first_index + i), triattn::schedule::every_step()), budget));
     }
   }
   std::size_t steps = 0;
@@ -608,12 +812,14 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const triatt
         for (std::size_t j = 0; j < rows; ++j)
           if (!x.seqs[j].branched) x.answers[1 + j].push_back(next);
     }
-    // A round after every chunk of the prefill; a row leaves the trunk at the first that cuts it.
+    // A round after every chunk of the prefill (or only after its last token, --compress-at end); a
+    // row leaves the trunk at the first round that cuts it.
     rounds.clear();
     for (std::size_t i = 0; i < S; ++i) {
       sample_state& x = st[i];
       const std::size_t prefill = samples[i].prefill.size();
-      if (t >= x.steps || t + 1 > prefill || ((t + 1) % static_cast<std::size_t>(o.chunk) != 0 && t + 1 != prefill)) continue;
+      const bool chunk_end = (t + 1) % static_cast<std::size_t>(o.chunk) == 0 && o.at == prefill_rounds::chunks;
+      if (t >= x.steps || t + 1 > prefill || (!chunk_end && t + 1 != prefill)) continue;
       std::int32_t longest = 0;
       for (int l = 0; l < m.config().n_layers; ++l)
         for (int h = 0; h < m.config().n_kv_heads; ++h) longest = std::max(longest, x.full.length(l, h));
@@ -637,55 +843,87 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const triatt
 
 /// `passkey --model M --policies LIST --out DIR [--stats S] [--fractions 0.1,0.25,0.5]
 /// [--contexts 1024,2048,4096] [--depths 0.1,...] [--trials 1] [--chunk 128] [--answer-tokens 8]
-/// [--seed 1] [--threads T]`.
+/// [--seed 1] [--threads T] [--protocol P] [--compress-at chunks|end] [--families passkey,...]
+/// [--haystack-prompts FILE] [--haystack-tokens 1024]`; `retrieval` is the same command with
+/// the needle families by default.
 inline int run_passkey(int argc, char** argv) {
+  const bool retrieval = std::string_view(argv[1]) == "retrieval";
   const auto a = subcommand_options(argc, argv,
                                     {"--model", "--stats", "--out", "--policies", "--fractions", "--contexts", "--depths",
-                                     "--trials", "--chunk", "--answer-tokens", "--seed", "--threads"});
-  const char* api = "triattn_eval passkey";
+                                     "--trials", "--chunk", "--answer-tokens", "--seed", "--threads", "--protocol",
+                                     "--compress-at", "--families", "--haystack-prompts", "--haystack-tokens"});
+  const char* api = retrieval ? "triattn_eval retrieval" : "triattn_eval passkey";
   passkey_options o;
-  o.model = required(a, "--model", "passkey");
-  o.out = required(a, "--out", "passkey");
-  o.policies = required(a, "--policies", "passkey");
+  if (retrieval) o.families = "single,multikey,paraphrase";
+  o.model = required(a, "--model", api);
+  o.out = required(a, "--out", api);
+  o.policies = required(a, "--policies", api);
   if (a.contains("--stats")) o.stats = a.at("--stats");
   if (a.contains("--fractions")) o.fractions = a.at("--fractions");
   if (a.contains("--contexts")) o.contexts = a.at("--contexts");
   if (a.contains("--depths")) o.depths = a.at("--depths");
+  if (a.contains("--families")) o.families = a.at("--families");
+  if (a.contains("--haystack-prompts")) o.haystack_prompts = a.at("--haystack-prompts");
+  if (a.contains("--haystack-tokens"))
+    o.haystack_tokens = static_cast<int>(parse_int("--haystack-tokens", a.at("--haystack-tokens"), 16));
   if (a.contains("--trials")) o.trials = static_cast<int>(parse_int("--trials", a.at("--trials"), 1));
   if (a.contains("--chunk")) o.chunk = static_cast<int>(parse_int("--chunk", a.at("--chunk"), 1));
   if (a.contains("--answer-tokens")) o.answer_tokens = static_cast<int>(parse_int("--answer-tokens", a.at("--answer-tokens"), 1));
   if (a.contains("--seed")) o.seed = static_cast<std::uint64_t>(parse_int("--seed", a.at("--seed"), 0));
   if (a.contains("--threads")) o.threads = static_cast<int>(parse_int("--threads", a.at("--threads"), 1));
+  if (a.contains("--protocol")) o.protocol = parse_protocol(a.at("--protocol"));
+  if (a.contains("--compress-at")) o.at = parse_prefill_rounds(a.at("--compress-at"));
   std::vector<double> fractions, depths;
   std::vector<std::int64_t> contexts;
   for (const std::string& f : split(o.fractions)) fractions.push_back(parse_double("--fractions", f, 1e-6, 1.0));
   for (const std::string& d : split(o.depths)) depths.push_back(parse_double("--depths", d, 0.0, 1.0));
   for (const std::string& c : split(o.contexts)) contexts.push_back(parse_int("--contexts", c, 64));
-  if (fractions.empty() || depths.empty() || contexts.empty()) throw usage_error{"passkey: empty list"};
+  const std::vector<std::string> families = split(o.families);
+  if (fractions.empty() || depths.empty() || contexts.empty() || families.empty())
+    throw usage_error{std::string(api) + ": empty list"};
+  bool needs_haystack = false;
+  for (const std::string& f : families) {
+    if (std::find(std::begin(retrieval_families), std::end(retrieval_families), f) == std::end(retrieval_families))
+      throw usage_error{"option --families: unknown family '" + f + "' (known: passkey, single, multikey, paraphrase)"};
+    needs_haystack |= f != "passkey";
+  }
+  if (needs_haystack && !o.haystack_prompts)
+    throw usage_error{std::string(api) + ": the needle families need --haystack-prompts (prompts the model writes the haystack from)"};
 
+  const policy_set ps(o.policies, o.stats, o.protocol);
   const triattn_runner::text_model tm = triattn_runner::text_model::load(o.model, "", api);
-  const policy_set ps(o.policies, o.stats);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  triattn_runner::batch_decoder decoder(tm.model(), threads);
+  haystack hay;
+  if (needs_haystack) {
+    std::fprintf(stderr, "%s: writing the haystack (%d tokens per prompt)\n", api, o.haystack_tokens);
+    hay = write_haystack(tm, triattn_runner::read_prompts(*o.haystack_prompts, api), o.haystack_tokens, o.seed, decoder);
+    std::string text;
+    for (const std::string& sentence : hay.sentences) text += sentence.substr(1) + "\n";
+    write_file(o.out, "haystack.txt", text);
+  }
   // One batch a context length (its samples, each with the full cache and every row), the
   // contexts in turn, each step's work split over the threads.
   std::vector<passkey_sample> all;
   for (const std::int64_t c : contexts)
-    for (const double d : depths)
-      for (int t = 0; t < o.trials; ++t) all.push_back(make_passkey(tm, c, d, t, o.seed));
+    for (const std::string& f : families)
+      for (const double d : depths)
+        for (int t = 0; t < o.trials; ++t)
+          all.push_back(f == "passkey" ? make_passkey(tm, c, d, t, o.seed) : make_needle_sample(tm, hay, f, c, d, t, o.seed));
   const std::size_t F = fractions.size(), S = all.size();
+  const std::size_t per_context = families.size() * depths.size() * static_cast<std::size_t>(o.trials);
   std::int64_t total = 0;
   for (std::size_t c = 0; c < contexts.size(); ++c) {
     std::size_t longest = 0;
-    for (std::size_t i = c * depths.size() * static_cast<std::size_t>(o.trials); i < (c + 1) * depths.size() * static_cast<std::size_t>(o.trials); ++i)
+    for (std::size_t i = c * per_context; i < (c + 1) * per_context; ++i)
       longest = std::max(longest, all[i].prefill.size() + all[i].question.size() + static_cast<std::size_t>(o.answer_tokens) - 1);
-    total += static_cast<std::int64_t>(longest * depths.size() * static_cast<std::size_t>(o.trials));
+    total += static_cast<std::int64_t>(longest * per_context);
   }
-  std::fprintf(stderr, "triattn_eval passkey: %zu samples, %zu rows x %zu fractions, chunks of %d, %d threads\n", S,
-               ps.policies.size(), F, o.chunk, threads);
-  progress_bar bar("triattn_eval passkey", total);
-  triattn_runner::batch_decoder decoder(tm.model(), threads);
+  std::fprintf(stderr, "%s: %zu samples, %zu rows x %zu fractions, rounds after %s, %d threads\n", api, S,
+               ps.policies.size(), F, o.at == prefill_rounds::end ? "the whole prefill" : ("chunks of " + std::to_string(o.chunk)).c_str(),
+               threads);
+  progress_bar bar(api, total);
   std::vector<std::vector<passkey_answer>> results;  // [sample][1 + row]
-  const std::size_t per_context = depths.size() * static_cast<std::size_t>(o.trials);
   for (std::size_t c = 0; c < contexts.size(); ++c) {
     auto part = run_passkey_context(tm, std::span(all).subspan(c * per_context, per_context), c * per_context, o, ps,
                                     fractions, decoder, bar);
@@ -693,20 +931,24 @@ inline int run_passkey(int argc, char** argv) {
   }
   std::fputc('\n', stderr);
 
-  // Accuracy per (row, fraction, context) and over the contexts; SE of a proportion.
+  // Accuracy per (family, row, fraction, context) and over the contexts; SE of a proportion.
   std::ostringstream csv, samples, md;
-  csv << "policy,fraction,context,budget,accuracy,accuracy_se,samples\n";
-  samples << "policy,fraction,context,depth,trial,key,correct,answer\n";
-  md << "# Passkey retrieval after a compressed prefill (triattn_eval passkey)\n\n"
-     << "llama.cpp's `passkey` text: a 5-digit key at a depth of filler text; the context is prefilled in chunks of "
-     << o.chunk << " tokens with a round after every chunk that cuts the cache to the budget (a fraction of the "
-     << "context), then the question, then " << o.answer_tokens << " greedy tokens; correct when the first number "
-     << "of the answer is the key. Depths " << o.depths << ", " << o.trials << " key(s) per depth. ± is the standard "
-     << "error of the proportion (sqrt(p (1 - p) / n)).\n\n| policy | fraction |";
-  for (const std::int64_t c : contexts) md << " " << c << " |";
-  md << " all |\n|---|---:|";
-  for (std::size_t c = 0; c <= contexts.size(); ++c) md << "---:|";
-  md << "\n";
+  const std::string setting = std::string(",") + prefill_rounds_name(o.at) + ",\"" + protocol_name(o.protocol) + "\"\n";
+  csv << "policy,fraction,context,budget,accuracy,accuracy_se,samples,family,compress_at,protocol\n";
+  samples << "policy,fraction,context,depth,trial,key,correct,answer,family\n";
+  md << "# Retrieval after a compressed prefill (" << api << ")\n\n"
+     << "Families: `passkey` is llama.cpp's `passkey` text (a 5-digit key at a depth of repeated filler); `single`, "
+     << "`multikey` and `paraphrase` hide 5-digit keys in prose the model wrote itself (`haystack.txt`): one needle; "
+     << "four needles of one form, the question asking for one; a needle the question words differently. The context "
+     << "is prefilled "
+     << (o.at == prefill_rounds::end ? std::string("whole, then one round cuts the cache to the budget")
+                                     : "in chunks of " + std::to_string(o.chunk) +
+                                           " tokens with a round after every chunk that cuts the cache to the budget")
+     << " (a fraction of the context), then the question, then " << o.answer_tokens
+     << " greedy tokens; correct when the first number of the answer is the key. Protection: "
+     << (o.protocol ? "`" + protocol_name(o.protocol) + "` for every policy" : "each policy's own defaults")
+     << ". Depths " << o.depths << ", " << o.trials << " sample(s) per depth. ± is the standard "
+     << "error of the proportion (sqrt(p (1 - p) / n)).\n";
   const auto cell = [](double hits, double n) {
     const double p = n > 0 ? hits / n : NAN;
     return std::pair{p, n > 0 ? std::sqrt(p * (1 - p) / n) : NAN};
@@ -714,47 +956,53 @@ inline int run_passkey(int argc, char** argv) {
   std::vector<std::string> names;
   if (ps.has_full) names.emplace_back(triattn::full_name);
   for (const eval_policy& p : ps.policies) names.push_back(p.name);
-  for (std::size_t r = 0; r < names.size(); ++r) {
-    const bool is_full = ps.has_full && r == 0;
-    const std::size_t p = ps.has_full ? r - 1 : r;
-    for (std::size_t f = 0; f < (is_full ? 1 : F); ++f) {
-      const std::size_t column = is_full ? 0 : 1 + p * F + f;
-      md << "| " << names[r] << " | " << (is_full ? std::string("1") : fmt("%g", fractions[f])) << " |";
-      double all_hits = 0, all_n = 0;
-      for (const std::int64_t c : contexts) {
-        double hits = 0, n = 0;
-        for (std::size_t i = 0; i < S; ++i) {
-          const passkey_sample& s = all[i];
-          if (s.context != c) continue;
-          const passkey_answer& ans = results[i][column];
-          hits += ans.correct ? 1 : 0;
-          ++n;
-          std::string text = ans.text;
-          for (char& ch : text)
-            if (ch == '\n' || ch == ',' || ch == '"') ch = ' ';
-          samples << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ',' << c << ',' << fmt("%g", s.depth) << ','
-                  << s.trial << ',' << s.key << ',' << (ans.correct ? 1 : 0) << ',' << text << '\n';
+  for (const std::string& family : families) {
+    md << "\n## " << family << "\n\n| policy | fraction |";
+    for (const std::int64_t c : contexts) md << " " << c << " |";
+    md << " all |\n|---|---:|";
+    for (std::size_t c = 0; c <= contexts.size(); ++c) md << "---:|";
+    md << "\n";
+    for (std::size_t r = 0; r < names.size(); ++r) {
+      const bool is_full = ps.has_full && r == 0;
+      const std::size_t p = ps.has_full ? r - 1 : r;
+      for (std::size_t f = 0; f < (is_full ? 1 : F); ++f) {
+        const std::size_t column = is_full ? 0 : 1 + p * F + f;
+        md << "| " << names[r] << " | " << (is_full ? std::string("1") : fmt("%g", fractions[f])) << " |";
+        double all_hits = 0, all_n = 0;
+        for (const std::int64_t c : contexts) {
+          double hits = 0, n = 0;
+          for (std::size_t i = 0; i < S; ++i) {
+            const passkey_sample& s = all[i];
+            if (s.context != c || s.family != family) continue;
+            const passkey_answer& ans = results[i][column];
+            hits += ans.correct ? 1 : 0;
+            ++n;
+            std::string text = ans.text;
+            for (char& ch : text)
+              if (ch == '\n' || ch == ',' || ch == '"') ch = ' ';
+            samples << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ',' << c << ',' << fmt("%g", s.depth) << ','
+                    << s.trial << ',' << s.key << ',' << (ans.correct ? 1 : 0) << ',' << text << ',' << family << '\n';
+          }
+          const auto [acc, se] = cell(hits, n);
+          const std::int64_t budget = is_full ? c : std::max<std::int64_t>(1, std::llround(fractions[f] * static_cast<double>(c)));
+          csv << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ',' << c << ',' << budget << ',' << fmt("%.4f", acc)
+              << ',' << fmt("%.4f", se) << ',' << n << ',' << family << setting;
+          md << " " << fmt("%.2f", acc) << " ± " << fmt("%.2f", se) << " |";
+          all_hits += hits;
+          all_n += n;
         }
-        const auto [acc, se] = cell(hits, n);
-        const std::int64_t budget = is_full ? c : std::max<std::int64_t>(1, std::llround(fractions[f] * static_cast<double>(c)));
-        csv << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ',' << c << ',' << budget << ',' << fmt("%.4f", acc)
-            << ',' << fmt("%.4f", se) << ',' << n << '\n';
-        md << " " << fmt("%.2f", acc) << " ± " << fmt("%.2f", se) << " |";
-        all_hits += hits;
-        all_n += n;
+        const auto [acc, se] = cell(all_hits, all_n);
+        csv << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ",all,0," << fmt("%.4f", acc) << ',' << fmt("%.4f", se)
+            << ',' << all_n << ',' << family << setting;
+        md << " " << fmt("%.2f", acc) << " ± " << fmt("%.2f", se) << " |\n";
       }
-      const auto [acc, se] = cell(all_hits, all_n);
-      csv << names[r] << ',' << (is_full ? 1.0 : fractions[f]) << ",all,0," << fmt("%.4f", acc) << ',' << fmt("%.4f", se)
-          << ',' << all_n << '\n';
-      md << " " << fmt("%.2f", acc) << " ± " << fmt("%.2f", se) << " |\n";
     }
   }
   md << "\nWall time: " << fmt("%.1f", bar.seconds()) << " s on " << threads << " threads.\n";
   write_file(o.out, "passkey.csv", csv.str());
   write_file(o.out, "passkey_samples.csv", samples.str());
   write_file(o.out, "passkey.md", md.str());
-  std::fprintf(stderr, "triattn_eval passkey: wrote %s/passkey.csv, passkey.md in %.1f s\n", o.out.string().c_str(),
-               bar.seconds());
+  std::fprintf(stderr, "%s: wrote %s/passkey.csv, passkey.md in %.1f s\n", api, o.out.string().c_str(), bar.seconds());
   return 0;
 }
 

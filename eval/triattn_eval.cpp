@@ -8,6 +8,7 @@
 //   triattn_eval logits --model M --tokens T.npy --out L.npy [--policy P --budget B --slack D --stats S]
 //   triattn_eval long --model M.gguf --prompts FILE --policies LIST --out DIR [...]
 //   triattn_eval passkey --model M.gguf --policies LIST --out DIR [...]
+//   triattn_eval generate --model M --prompt-file F [--chat] [--policy P --budget B ...]
 //
 // `long` and `passkey` are the long-context regimes of a chat model (long_context.hpp): decode-
 // time compression along the model's own long answers, and retrieval after a compressed prefill.
@@ -61,6 +62,7 @@
 
 #include "eval_common.hpp"
 #include "eval_policies.hpp"
+#include "generate.hpp"
 #include "long_context.hpp"
 #include "runner/compressed_session.hpp"
 #include "runner/runner.hpp"
@@ -104,6 +106,10 @@ std::string usage_text() {
       "                    [--budgets 128,256,512] [--tokens 2048] [--slack 64] [--temperature 0.7] [--seed 1]\n"
       "       triattn_eval passkey --model M.gguf --policies LIST --out DIR [--stats S] [--fractions 0.1,0.25,0.5]\n"
       "                    [--contexts 1024,2048,4096] [--depths 0.1,0.3,0.5,0.7,0.9] [--trials 1] [--chunk 128]\n"
+      "       triattn_eval generate --model M --prompt-file F [--chat] [--policy P --budget B [--slack 16] [--stats S]]\n"
+      "                    [--chunk 128] [--compress-at chunks|end] [--max-tokens 32] [--threads T]   (the answer on stdout)\n"
+      "long, passkey, logits and generate: [--protocol own|none|prompt,sinks=N,recent=N] protects the same slots\n"
+      "                    for every policy (default own: each policy's defaults)\n"
       "M: a llama2.c checkpoint (with --tokenizer) or a GGUF file (tokenizer inside).\n"
       "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n"
       "policies (default: all of them):\n";
@@ -345,7 +351,7 @@ class evaluator {
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
       const std::int64_t budget = o_.budgets[jobs_[j].budget];
       runner r(m_, sched_.peak_tokens(budget),
-               policies_[jobs_[j].policy].make(stats_, seed_of(j, w), sched_), budget);
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, w), {sched_, {}}), budget);
       window_sums& s = sums_[j * windows_.size() + w];
       for (std::int64_t t = 0; t < T; ++t) {
         const bool scored = r.compressed() && t + 1 < T;  // compressed before this step's forward
@@ -395,7 +401,7 @@ class evaluator {
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
       const std::int64_t budget = o_.budgets[jobs_[j].budget];
       runner r(m_, std::max(sched_.peak_tokens(budget), std::int64_t{1}),
-               policies_[jobs_[j].policy].make(stats_, seed_of(j, task), sched_), budget);
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, task), {sched_, {}}), budget);
       const std::vector<int> out = generate(r, prompt);
       std::size_t k = 0;
       while (k < out.size() && out[k] == reference[k]) ++k;
@@ -533,11 +539,12 @@ int run_tokenize(int argc, char** argv) {
 }
 
 /// `logits --model M [--tokenizer T] --tokens T.npy --out L.npy [--policy P --budget B
-/// --slack D --stats S]`: float32 [N, vocab], teacher-forced, with the cache compressed as in
+/// --slack D --stats S --protocol X]`: float32 [N, vocab], teacher-forced, with the cache compressed as in
 /// the evaluation when a policy is given.
 int run_logits(int argc, char** argv) {
   const auto o = subcommand_options(argc, argv,
-                                    {"--model", "--tokenizer", "--tokens", "--out", "--policy", "--budget", "--slack", "--stats"});
+                                    {"--model", "--tokenizer", "--tokens", "--out", "--policy", "--budget", "--slack", "--stats",
+                                     "--protocol"});
   const char* api = "triattn_eval logits";
   const fs::path out = required(o, "--out", "logits"), tokens_path = required(o, "--tokens", "logits");
   const std::string policy_name = o.contains("--policy") ? o.at("--policy") : std::string(triattn::full_name);
@@ -546,6 +553,8 @@ int run_logits(int argc, char** argv) {
   const bool compressing = policy_name != triattn::full_name;
   const std::int64_t budget = compressing ? parse_int("--budget", required(o, "--budget", "logits"), 1) : 0;
   const std::int64_t slack = o.contains("--slack") ? parse_int("--slack", o.at("--slack"), 1) : 16;
+  const std::optional<triattn::round_protocol> protocol =
+      o.contains("--protocol") ? parse_protocol(o.at("--protocol")) : std::nullopt;
   std::optional<triattn::query_stats> stats;
   if (p->needs_stats) stats = triattn::load_stats(required(o, "--stats", "logits"));
 
@@ -565,7 +574,7 @@ int run_logits(int argc, char** argv) {
   const auto n = static_cast<std::int64_t>(tokens.size());
   const triattn::schedule sched = triattn::schedule::with_slack(slack);
   runner r(m.model(), compressing ? std::min(n, sched.peak_tokens(budget)) : n,
-           p->make(stats ? &*stats : nullptr, 0, sched), budget);
+           p->make(stats ? &*stats : nullptr, 0, {sched, protocol}), budget);
   std::vector<float> logits(static_cast<std::size_t>(n * vocab));
   for (std::int64_t i = 0; i < n; ++i) {
     const std::span<const float> l = r.step(static_cast<int>(tokens[static_cast<std::size_t>(i)]));
@@ -580,7 +589,9 @@ int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "tokenize") return run_tokenize(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "logits") return run_logits(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "long") return run_long(argc, argv);
-  if (argc > 1 && std::string_view(argv[1]) == "passkey") return run_passkey(argc, argv);
+  if (argc > 1 && (std::string_view(argv[1]) == "passkey" || std::string_view(argv[1]) == "retrieval"))
+    return run_passkey(argc, argv);
+  if (argc > 1 && std::string_view(argv[1]) == "generate") return run_generate(argc, argv);
   const options o = parse(argc, argv);
   const triattn_runner::model m = triattn_runner::model::load(o.model);
   const triattn_runner::tokenizer tok = triattn_runner::tokenizer::load(o.tokenizer, m.config().vocab_size);

@@ -8,10 +8,18 @@
 // - `passkey`: the prompt holds the key at the asked depth, the full cache finds it, the
 //   accuracy table agrees with the per-sample answers, and every answer (full cache, H2O and
 //   SnapKV at two budgets, two samples in one batch) is that of the sequence decoded alone;
+// - `retrieval`: the needle families' haystack is the model's own prose, their samples hold
+//   their keys at the asked depth, and every answer after one round at the end of the prefill
+//   is that of the sequence decoded alone;
+// - `generate`: a needle in varied prose, found by the full cache; every registry policy's
+//   answer (chunked prefill, and once after the whole prompt) is that of an independent
+//   sequential computation; nothing but the answer on stdout; bad input refused in one line;
 // - `triattn calibrate --prompts`: the same statistics as triattn_runner::calibrate_on_answers.
 #include <catch2/catch.hpp>
 
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <deque>
 #include <cstdint>
 #include <filesystem>
@@ -22,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "generate.hpp"
 #include "long_context.hpp"
 #include "runner/calibration.hpp"
 #include "runner/compressed_session.hpp"
@@ -362,6 +371,267 @@ TEST_CASE("triattn_eval passkey: every answer is an independent sequential compu
                             ? "1"
                             : "0"));
   }
+}
+
+/// A needle in prose of several kinds (no sentence repeats), with the question after it.
+std::string needle_prompt(const std::string& key) {
+  return "Read the notes below, then answer the question at the end.\n\n"
+         "The bakery on Elm Street opens at six. Its owner, a former sailor, bakes rye bread with caraway seeds and "
+         "sells out before noon on most Saturdays. Tourists often ask for the recipe, which he keeps in a tin box.\n"
+         "Yesterday's weather report said that a cold front would cross the valley overnight, bringing light snow to "
+         "the hills and strong winds along the river. Farmers were told to bring their sheep down from the slopes.\n"
+         "The secret code for the blue door is " + key + ". Nobody else knows it.\n"
+         "In 1854 the town built a stone bridge to replace the old ferry. The bridge has seven arches, and the "
+         "middle one is wide enough for a barge with a tall mast. A plaque on the east side names the masons.\n"
+         "To make a simple tomato soup, soften an onion in butter, add chopped tomatoes and a little stock, simmer for "
+         "twenty minutes, then blend until smooth and season with salt, pepper and a pinch of sugar.\n\n"
+         "Question: what is the secret code for the blue door?";
+}
+
+TEST_CASE("triattn_eval retrieval: needles in the model's own prose, and one round after the whole prefill",
+          "[eval][gguf]") {
+  cli::scratch_dir dir("retrieval");
+  write_text(dir.path() / "haystack.txt", "Describe a walk by the sea.\nWrite about a village market.\n");
+  const std::int64_t context = 320;
+  const double fraction = 0.4;
+  const int answer_tokens = 10, haystack_tokens = 160;
+  const cli::result run = cli::run_cli(
+      dir, {"retrieval", "--model", gguf_path.string(), "--policies", "full,snapkv,h2o", "--contexts",
+            std::to_string(context), "--depths", "0.25,0.75", "--fractions", "0.4", "--compress-at", "end",
+            "--answer-tokens", std::to_string(answer_tokens), "--haystack-prompts", (dir.path() / "haystack.txt").string(),
+            "--haystack-tokens", std::to_string(haystack_tokens), "--threads", "2", "--out", (dir.path() / "out").string()});
+  INFO("stderr: " << run.err);
+  REQUIRE(run.code == 0);
+  const auto csv = read_csv(dir.path() / "out" / "passkey_samples.csv");
+  const std::vector<std::string> families{"single", "multikey", "paraphrase"};
+  REQUIRE(csv.size() == 1 + families.size() * 2 * 3);  // header, 3 families x 2 depths x (full, snapkv, h2o)
+
+  // The same haystack and samples in-process: the model's own sentences, none with a digit.
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(gguf_path, "");
+  const triattn_runner::model& m = tm.model();
+  triattn_runner::batch_decoder decoder(m, 2);
+  const triattn_eval::haystack hay =
+      triattn_eval::write_haystack(tm, {"Describe a walk by the sea.", "Write about a village market."}, haystack_tokens, 1, decoder);
+  CHECK(hay.sentences.size() >= 8);
+  for (const std::string& sentence : hay.sentences) CHECK(sentence.find_first_of("0123456789") == std::string::npos);
+  const std::string written = triattn_test::read_text(dir.path() / "out" / "haystack.txt");
+  CHECK(written.find(hay.sentences.front().substr(1)) == 0);
+
+  // Each row's answer: the full cache, and one round to the budget after the whole prefill;
+  // every row its own sequence, stepped together only for speed.
+  struct oracle_row {
+    std::string name, family;
+    double depth;
+    triattn_eval::passkey_sample sample;
+    std::vector<int> prompt, answer;
+    std::optional<oracle_sequence> x;
+    std::optional<triattn_runner::session> full;
+    oracle_row(std::string n, std::string f, double d, triattn_eval::passkey_sample s, std::vector<int> p)
+        : name(std::move(n)), family(std::move(f)), depth(d), sample(std::move(s)), prompt(std::move(p)) {}
+    triattn_runner::session& session() { return x ? x->session : *full; }
+  };
+  std::deque<oracle_row> rows;
+  const std::int64_t budget = std::llround(fraction * static_cast<double>(context));
+  for (const std::string& family : families)
+    for (const double depth : {0.25, 0.75}) {
+      INFO(family << " at depth " << depth);
+      const triattn_eval::passkey_sample s = triattn_eval::make_needle_sample(tm, hay, family, context, depth, 0, 1);
+      std::vector<int> prompt = s.prefill;
+      prompt.insert(prompt.end(), s.question.begin(), s.question.end());
+      const auto n = static_cast<std::int64_t>(prompt.size());
+      CHECK(n <= context + 8);  // the asked context, to a sentence
+      CHECK(n >= context * 4 / 5);
+      const std::string text = tm.decode(s.prefill);
+      const auto at = text.find(std::to_string(s.key));
+      REQUIRE(at != std::string::npos);
+      CHECK(std::fabs(static_cast<double>(at) / static_cast<double>(text.size()) - depth) < 0.25);
+      std::size_t numbers = 0;  // runs of digits in the text: 4 keys for multikey, else 1
+      for (std::size_t i = 0; i < text.size(); ++i)
+        if (std::isdigit(static_cast<unsigned char>(text[i])) && (i == 0 || !std::isdigit(static_cast<unsigned char>(text[i - 1]))))
+          ++numbers;
+      CHECK(numbers == (family == "multikey" ? 4u : 1u));
+      for (const std::string name : {"full", "snapkv", "h2o"}) {
+        oracle_row& r = rows.emplace_back(name, family, depth, s, prompt);
+        if (name == "full")
+          r.full.emplace(m, n + answer_tokens);
+        else
+          r.x.emplace(m, n + answer_tokens, *triattn::find_policy(name)->create(on_schedule(triattn::schedule::every_step())));
+      }
+    }
+  for (std::size_t t = 0;; ++t) {
+    std::vector<triattn_runner::session*> batch;
+    std::vector<int> in;
+    std::vector<oracle_row*> who;
+    for (oracle_row& r : rows)
+      if (r.answer.size() < static_cast<std::size_t>(answer_tokens)) {
+        batch.push_back(&r.session());
+        in.push_back(t < r.prompt.size() ? r.prompt[t] : r.answer.back());
+        who.push_back(&r);
+      }
+    if (batch.empty()) break;
+    decoder.step(batch, in);
+    for (std::size_t k = 0; k < who.size(); ++k) {
+      oracle_row& r = *who[k];
+      triattn_runner::session& se = r.session();
+      if (r.x && t + 1 == r.sample.prefill.size()) triattn::compress(r.x->policy, se.view(), budget, {se.position(), 0});
+      if (t + 1 >= r.prompt.size()) r.answer.push_back(triattn_runner::argmax(decoder.logits(static_cast<int>(k))));
+    }
+  }
+  int checked = 0;
+  for (const oracle_row& r : rows) {
+    INFO(r.name << ", " << r.family << " at depth " << r.depth);
+    std::string want = tm.decode(r.answer);
+    for (char& ch : want)
+      if (ch == '\n' || ch == ',' || ch == '"') ch = ' ';
+    const std::vector<std::string>* got = nullptr;
+    for (std::size_t i = 1; i < csv.size(); ++i)
+      if (csv[i][0] == r.name && csv[i][8] == r.family && std::stod(csv[i][3]) == r.depth) got = &csv[i];
+    REQUIRE(got != nullptr);
+    CHECK((*got)[5] == std::to_string(r.sample.key));
+    CHECK((*got)[7] == want);
+    CHECK((*got)[6] == (triattn_eval::first_number(want) == std::to_string(r.sample.key) ? "1" : "0"));
+    ++checked;
+  }
+  CHECK(checked == 18);
+  const auto acc = read_csv(dir.path() / "out" / "passkey.csv");
+  CHECK(acc[0][7] == "family");
+  CHECK(acc[1][8] == "end");
+}
+
+TEST_CASE("triattn_eval generate: a needle case through every policy, as an independent sequential computation",
+          "[eval][gguf]") {
+  cli::scratch_dir dir("generate");
+  const std::string key = "73914";
+  const fs::path prompt_file = dir.path() / "prompt.txt", stats_file = dir.path() / "stats.safetensors";
+  write_text(prompt_file, needle_prompt(key));
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(gguf_path, "");
+  const triattn_runner::model& m = tm.model();
+  const std::vector<int> prompt = tm.chat(needle_prompt(key));
+  const auto P = static_cast<std::int64_t>(prompt.size());
+  REQUIRE(P > 200);
+  const std::vector<std::vector<int>> calibration{tm.chat("Describe a walk by the sea.")};
+  const triattn::query_stats stats = triattn_runner::calibrate_on_answers(
+      m, calibration, static_cast<int>(calibration[0].size()) + 32, 5, 0.7, tm.non_ending_tokens());
+  triattn::save_stats(stats_file, stats);
+  const int chunk = 64, max_tokens = 24, slack = 8;
+  const std::int64_t budget = P * 2 / 5;
+  const std::vector<std::uint8_t> allowed = tm.non_ending_tokens();
+
+  const auto generate = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args{"generate", "--model", gguf_path.string(), "--prompt-file", prompt_file.string(),
+                                  "--chat", "--chunk", std::to_string(chunk), "--max-tokens", std::to_string(max_tokens)};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const cli::result r = cli::run_cli(dir, args);
+    INFO(r.command << "\nstderr: " << r.err);
+    REQUIRE(r.code == 0);
+    CHECK(r.err_lines() == 1);  // the figures, on stderr
+    return r.out;
+  };
+
+  // The oracle: every (policy, prefill mode) its own sequence through the plain session API,
+  // the contract's steps written out; stepped together only for speed.
+  struct oracle_row {
+    std::string name;
+    bool at_end = false;
+    oracle_sequence x;
+    std::vector<int> answer;
+    bool done = false;
+    oracle_row(std::string n, bool e, const triattn_runner::model& m, std::int64_t capacity, triattn::any_policy p)
+        : name(std::move(n)), at_end(e), x(m, capacity, std::move(p)) {}
+  };
+  const std::vector<std::string> end_policies{"h2o", "snapkv", "triattention"};
+  std::deque<oracle_row> rows;
+  for (const triattn::policy_entry& e : triattn::policy_registry) {
+    if (!e.compresses()) continue;
+    triattn::policy_inputs in = on_schedule(triattn::schedule::with_slack(slack));
+    in.stats = &stats;
+    const std::string name(e.name);
+    rows.emplace_back(name, false, m, P + max_tokens, *e.create(in));
+    if (std::find(end_policies.begin(), end_policies.end(), name) != end_policies.end())
+      rows.emplace_back(name, true, m, P + max_tokens, *e.create(in));
+  }
+  REQUIRE(rows.size() == 6 + end_policies.size());
+  triattn_runner::batch_decoder decoder(m, 2);
+  const auto cut = [&](oracle_row& r) {
+    triattn_runner::session& se = r.x.session;
+    bool over = false;
+    for (int l = 0; l < m.config().n_layers; ++l)
+      for (int h = 0; h < m.config().n_kv_heads; ++h) over |= se.length(l, h) > budget;
+    if (over) triattn::compress(r.x.policy, se.view(), budget, {se.position(), 0});
+  };
+  for (std::int64_t t = 0;; ++t) {
+    std::vector<triattn_runner::session*> batch;
+    std::vector<int> in;
+    std::vector<oracle_row*> who;
+    for (oracle_row& r : rows)
+      if (!r.done) {
+        batch.push_back(&r.x.session);
+        in.push_back(t < P ? prompt[static_cast<std::size_t>(t)] : r.answer.back());
+        who.push_back(&r);
+      }
+    if (batch.empty()) break;
+    decoder.step(batch, in);
+    for (std::size_t k = 0; k < who.size(); ++k) {
+      oracle_row& r = *who[k];
+      triattn_runner::session& se = r.x.session;
+      if (t < P) {  // the prefill's rounds: after every chunk, or once after the prompt
+        if (!r.at_end && ((t + 1) % chunk == 0 || t + 1 == P)) cut(r);
+        if (r.at_end && t + 1 == P) cut(r);
+      } else {      // decoding on the slack trigger
+        triattn::maybe_compress(r.x.policy, se.view(), budget, {se.position(), 0});
+      }
+      if (t + 1 < P) continue;
+      const int next = triattn_runner::argmax(decoder.logits(static_cast<int>(k)));
+      if (allowed[static_cast<std::size_t>(next)] == 0) {
+        r.done = true;
+        continue;
+      }
+      r.answer.push_back(next);
+      r.done = static_cast<int>(r.answer.size()) == max_tokens;
+    }
+  }
+
+  const std::string full = generate({});
+  INFO("full-cache answer: " << full);
+  CHECK(full.find(key) != std::string::npos);  // a real needle case: the full cache finds it
+  CHECK(generate({"--policy", "full"}) == full);
+  int unlike_full = 0, unlike_chunked = 0;  // the cases tell the modes and the budget apart
+  for (const oracle_row& r : rows) {
+    INFO("policy " << r.name << (r.at_end ? " after the whole prefill" : " after every chunk") << ", budget " << budget
+                   << " of " << P << " prompt tokens");
+    std::vector<std::string> with{"--policy", r.name, "--budget", std::to_string(budget), "--slack", std::to_string(slack),
+                                  "--stats", stats_file.string()};
+    if (r.at_end) with.insert(with.end(), {"--compress-at", "end"});
+    const std::string answer = tm.decode(r.answer);
+    CHECK(generate(with) == answer);
+    unlike_full += answer != full ? 1 : 0;
+    if (r.at_end)
+      for (const oracle_row& c : rows) unlike_chunked += !c.at_end && c.name == r.name && c.answer != r.answer ? 1 : 0;
+  }
+  CHECK(unlike_full >= 3);
+  CHECK(unlike_chunked >= 1);
+  // A budget that holds the whole sequence evicts nothing: the full cache's answer.
+  CHECK(generate({"--policy", "snapkv", "--budget", std::to_string(P + max_tokens)}) == full);
+
+  // Bad input: one line naming the input and the value, exit 2, nothing on stdout.
+  const auto refused = [&](std::vector<std::string> args, const std::vector<std::string>& needles) {
+    cli::check_one_line_error(cli::run_cli(dir, args), needles);
+  };
+  refused({"generate", "--model", gguf_path.string(), "--prompt-file", (dir.path() / "missing.txt").string()},
+          {"missing.txt", "cannot open"});
+  refused({"generate", "--model", gguf_path.string(), "--prompt-file", prompt_file.string(), "--policy", "lru",
+           "--budget", "8"},
+          {"unknown policy lru"});
+  refused({"generate", "--model", gguf_path.string(), "--prompt-file", prompt_file.string(), "--policy", "h2o",
+           "--budget", "0"},
+          {"--budget", "'0'"});
+  refused({"generate", "--model", gguf_path.string(), "--prompt-file", prompt_file.string(), "--compress-at", "never"},
+          {"--compress-at", "'never'"});
+  std::string long_text;
+  for (int i = 0; i < 1200; ++i) long_text += "The river " + std::to_string(i) + " runs to the sea. ";
+  write_text(dir.path() / "long.txt", long_text);
+  refused({"generate", "--model", gguf_path.string(), "--prompt-file", (dir.path() / "long.txt").string()},
+          {"long.txt", "more than the model's context of 8192"});
 }
 
 TEST_CASE("calibrate --prompts: the statistics of the model's own answers, as in-process", "[tools][gguf]") {
