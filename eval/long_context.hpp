@@ -586,6 +586,21 @@ inline haystack write_haystack(const triattn_runner::text_model& tm, const std::
   return h;
 }
 
+/// Sets the prefill of `s` to the tokens of `context` and its question to those of `question`,
+/// as the two tokenize at the end of the whole prompt (checked: the question is decoded
+/// after the prefill and must be the same tokens there).
+inline void set_prompt(const triattn_runner::text_model& tm, passkey_sample& s, const std::string& context,
+                       std::string_view question) {
+  const auto start = static_cast<std::ptrdiff_t>(tm.encode("").size());
+  std::vector<int> all = tm.encode(context + std::string(question));
+  s.question = tm.encode(question);
+  s.question.erase(s.question.begin(), s.question.begin() + start);
+  TRIATTN_CHECK(all.size() > s.question.size() &&
+                    std::equal(s.question.begin(), s.question.end(), all.end() - static_cast<std::ptrdiff_t>(s.question.size())),
+                "triattn_eval passkey", "the question does not tokenize the same at the end of the prompt");
+  s.prefill.assign(all.begin(), all.end() - static_cast<std::ptrdiff_t>(s.question.size()));
+}
+
 /// llama.cpp's `passkey` example's text (examples/passkey/passkey.cpp): the instruction, filler
 /// sentences with the key sentence after `round(depth x fillers)` of them, as many fillers as
 /// fit `context` tokens with the question, then the question.
@@ -614,13 +629,7 @@ inline passkey_sample make_passkey(const triattn_runner::text_model& tm, std::in
     text += filler;
   }
   if (at >= fillers) text += needle;
-  std::vector<int> all = tm.encode(text + std::string(question));
-  s.question = tm.encode(question);
-  s.question.erase(s.question.begin(), s.question.begin() + start);
-  TRIATTN_CHECK(all.size() > s.question.size() &&
-                    std::equal(s.question.begin(), s.question.end(), all.end() - static_cast<std::ptrdiff_t>(s.question.size())),
-                "triattn_eval passkey", "the question does not tokenize the same at the end of the prompt");
-  s.prefill.assign(all.begin(), all.end() - static_cast<std::ptrdiff_t>(s.question.size()));
+  set_prompt(tm, s, text, question);
   return s;
 }
 
@@ -709,13 +718,7 @@ inline passkey_sample make_needle_sample(const triattn_runner::text_model& tm, c
     for (const std::string* needle : after[k]) text += *needle;
     if (k < picked.size()) text += hay.sentences[picked[k]];
   }
-  std::vector<int> all = tm.encode(text + c.question);
-  s.question = tm.encode(c.question);
-  s.question.erase(s.question.begin(), s.question.begin() + start);
-  TRIATTN_CHECK(all.size() > s.question.size() &&
-                    std::equal(s.question.begin(), s.question.end(), all.end() - static_cast<std::ptrdiff_t>(s.question.size())),
-                "triattn_eval passkey", "the question does not tokenize the same at the end of the prompt");
-  s.prefill.assign(all.begin(), all.end() - static_cast<std::ptrdiff_t>(s.question.size()));
+  set_prompt(tm, s, text, c.question);
   return s;
 }
 
