@@ -389,7 +389,7 @@ std::string needle_prompt(const std::string& key) {
 }
 
 TEST_CASE("triattn_eval retrieval: needles in the model's own prose, and one round after the whole prefill",
-          "[eval][gguf]") {
+          "[eval][gguf][retrieval]") {
   cli::scratch_dir dir("retrieval");
   write_text(dir.path() / "haystack.txt", "Describe a walk by the sea.\nWrite about a village market.\n");
   const std::int64_t context = 320;
@@ -499,7 +499,7 @@ TEST_CASE("triattn_eval retrieval: needles in the model's own prose, and one rou
 }
 
 TEST_CASE("triattn_eval generate: a needle case through every policy, as an independent sequential computation",
-          "[eval][gguf]") {
+          "[eval][gguf][generate]") {
   cli::scratch_dir dir("generate");
   const std::string key = "73914";
   const fs::path prompt_file = dir.path() / "prompt.txt", stats_file = dir.path() / "stats.safetensors";
