@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct quality in one command (the SmolLM2 quality issue): calibration on the
+# SmolLM2-135M-Instruct quality in one command (the SmolLM2 quality issues): calibration on the
 # model's own answers, the R distribution, the tuning of TriAttention's extensions on the
-# development prompts, decode-time compression of 2,048-token answers on the test prompts,
-# and passkey retrieval after a compressed prefill; CSV, markdown and PNG plots.
+# development prompts, decode-time compression of long answers on the test prompts under each
+# policy's own protection and under one protocol for every policy, and retrieval of needles in
+# the model's own prose after a compressed prefill; CSV, markdown and PNG plots.
 #
-#   eval/run_smollm2.sh [OUT_DIR] [--quick]
+#   eval/run_smollm2.sh [OUT_DIR] [--quick] [--stages LIST]
 #
-# OUT_DIR (default build/smollm2): stats.safetensors, inspect.txt, dev/, tuned.txt, test/,
-# passkey_full/, passkey/, long.png, passkey.png, summary.md, run.log. Nothing is read from
-# eval/results: the committed copy in eval/results/smollm2/ is this directory's output.
+# OUT_DIR (default build/smollm2): stats.safetensors, inspect.txt, dev/, tuned.txt, test_own/,
+# test_harmonised/, retrieval_full/, retrieval_end_own/, retrieval_end_harmonised/,
+# retrieval_chunks/, long.png, summary.md, run.log. Nothing is read from eval/results: the
+# committed copy in eval/results/smollm2/ is this directory's output.
 # --quick: the same pipeline on short answers and contexts, for CI (under 3 minutes).
+# --stages 1,2,3: only those stages (1 calibration, 2 tuning, 3 regime 1 with each policy's own
+# protection, 4 regime 1 under the harmonised protocol, 5 retrieval with the full cache, 6
+# retrieval after a full prefill, 7 retrieval during a chunked prefill); a stage reads what the
+# earlier ones wrote in OUT_DIR. Default: all.
 #
 # Splits: eval/prompts/calibration.txt (calibration only), dev.txt (the only prompts the
-# tuning step reads), test.txt (the reported figures; read once, after tuning).
+# tuning step reads), test.txt (the reported figures; read once, after tuning), haystack.txt
+# (what the model writes the retrieval haystacks from; never scored).
 # Environment: BUILD_DIR (default build/default, the `default` preset, which has llama.cpp),
 # SMOLLM2_GGUF (default: the configured or fetched model), THREADS (default nproc).
 set -euo pipefail
@@ -20,13 +27,18 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$root/build/smollm2
 quick=0
-for a in "$@"; do
-  case $a in
+stages=1,2,3,4,5,6,7
+while (($#)); do
+  case $1 in
     --quick) quick=1 ;;
-    -*) echo "run_smollm2.sh: unknown option $a" >&2; exit 2 ;;
-    *) out=$a ;;
+    --stages) [[ $# -ge 2 ]] || { echo "run_smollm2.sh: --stages needs a list" >&2; exit 2; }; stages=$2; shift ;;
+    -*) echo "run_smollm2.sh: unknown option $1" >&2; exit 2 ;;
+    *) out=$1 ;;
   esac
+  shift
 done
+[[ $stages =~ ^[1-7](,[1-7])*$ ]] || { echo "run_smollm2.sh: --stages '$stages' is not a list of 1 to 7" >&2; exit 2; }
+stage() { [[ ,$stages, == *,$1,* ]]; }
 build=${BUILD_DIR:-$root/build/default}
 threads=${THREADS:-$(nproc)}
 prompts=$root/eval/prompts
@@ -40,7 +52,9 @@ stage_done() {
   stage_start=$now
 }
 mkdir -p "$out"
-exec > >(tee "$out/run.log") 2>&1
+# A run of some stages adds to the log of the run it continues; a whole run starts it afresh.
+[[ $stages == 1,2,3,4,5,6,7 ]] && : > "$out/run.log"
+exec > >(tee -a "$out/run.log") 2>&1
 
 source "$root/eval/smollm2_model.sh"
 echo "== model $model"
@@ -53,74 +67,120 @@ cmake --build "$build" --target triattn_cli triattn_eval_cli -j "$(nproc)"
 triattn=$build/bin/triattn
 triattn_eval=$build/bin/triattn_eval
 
-# Sizes. The full grid: 1,024-token calibration answers; 2,048-token test answers at budgets
-# 128, 256 and 512 (1024 does not fit the 90 minutes beside the rest); passkey at 1K, 2K and
-# 4K tokens with the full cache (5 depths x 2 keys), then with the policies at every context
-# where the full cache scores at least 80 % (5 depths x 1 key: the first key of each depth).
-# --quick keeps every stage and shrinks each, for CI.
+# Sizes. The full grid: 1,024-token calibration answers; 1,024-token test answers on the 18 test
+# prompts at budgets 128, 256 and 512; retrieval of needles in the model's own prose at 2K and 4K
+# tokens (10 depths), first with the full cache, then at every (family, context) where the full
+# cache scores at least 80 %, at 10 % and 25 % of the context. --quick keeps every stage and
+# shrinks each, for CI.
 if (( quick )); then
-  answer=32 tokens=96 budgets=64 dev_budgets=64 contexts=192 depths=0.5 fractions=0.25 full_trials=1 trials=1
+  answer=32 tokens=96 budgets=64 dev_budgets=64 contexts=256 depths=0.5 fractions=0.25 trials=1 chunk_trials=1
+  haystack_tokens=96 chunk_contexts=256
   candidates="triattention_vp0.2 triattention_red1 triattention_ema0.5"
   take() { grep -v '^#' "$1" | grep . | head -n 1; }
 else
-  answer=1024 tokens=2048 budgets=128,256,512 dev_budgets=128 contexts=1024,2048,4096 depths=0.1,0.3,0.5,0.7,0.9
-  fractions=0.1,0.25,0.5 full_trials=2 trials=1
+  answer=1024 tokens=1024 budgets=128,256,512 dev_budgets=128 contexts=2048,4096 depths=0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95
+  fractions=0.1,0.25 trials=1 chunk_trials=3 haystack_tokens=1024 chunk_contexts=2048
   candidates="triattention_vp0.05 triattention_vp0.2 triattention_red0.3 triattention_red1 triattention_ema0.5 triattention_ema0.9"
   take() { grep -v '^#' "$1" | grep .; }
 fi
 slack=64
+# The verdict's setting: every policy keeps the first 4 and the last 16 slots on top of its own
+# rule, and nothing protects the prompt (triattn_eval --protocol).
+harmonised=sinks=4,recent=16
+policies="streaming_llm,h2o,snapkv,vatp,rkv,triattention,triattention_per_layer"
+families="single multikey paraphrase"
 take "$prompts/calibration.txt" > "$out/calibration_prompts.txt"
 take "$prompts/dev.txt" > "$out/dev_prompts.txt"
 
-echo "== 1. calibrate on SmolLM2's own answers ($answer+ tokens each)"
-"$triattn" calibrate --model "$model" --prompts "$out/calibration_prompts.txt" --answer-tokens "$answer" \
-  --out "$out/stats.safetensors"
-"$triattn" inspect "$out/stats.safetensors" > "$out/inspect.txt"
-tail -n 1 "$out/inspect.txt"
-stage_done "1. calibration"
-
-echo "== 2. tune the extensions on the development prompts"
-"$triattn_eval" long --model "$model" --prompts "$out/dev_prompts.txt" --stats "$out/stats.safetensors" \
-  --policies "triattention,${candidates// /,}" --budgets "$dev_budgets" --tokens "$tokens" --slack "$slack" \
-  --threads "$threads" --out "$out/dev"
-# Each extension's value: the lowest mean KL over the development budgets (ties: the first listed).
-tuned=$(awk -F, -v cands="$candidates" '
-  NR > 1 { kl[$1] += $3; n[$1]++ }
-  END {
-    split(cands, c, " ")
-    for (i = 1; i in c; i++) { p = c[i]; sub(/[0-9.]+$/, "", p); if (!(p in best) || kl[c[i]] / n[c[i]] < score[p]) { best[p] = c[i]; score[p] = kl[c[i]] / n[c[i]] } ; if (!(p in order)) { order[p] = ++k; names[k] = p } }
-    for (j = 1; j <= k; j++) printf "%s%s", (j > 1 ? " " : ""), best[names[j]]
-  }' "$out/dev/long.csv")
-{ echo "# chosen on dev/long.csv: lowest mean KL over budgets $dev_budgets"; for t in $tuned; do echo "$t"; done; } > "$out/tuned.txt"
-echo "tuned: $tuned"
-stage_done "2. tuning (dev)"
-
-echo "== 3. decode-time compression on the test prompts ($tokens tokens each)"
-take "$prompts/test.txt" > "$out/test_prompts.txt"
-policies="full,random,window,streaming_llm,h2o,snapkv,vatp,rkv,triattention,triattention_per_layer,triattention_o4096,triattention_seed,${tuned// /,}"
-"$triattn_eval" long --model "$model" --prompts "$out/test_prompts.txt" --stats "$out/stats.safetensors" \
-  --policies "$policies" --budgets "$budgets" --tokens "$tokens" --slack "$slack" --threads "$threads" --out "$out/test"
-stage_done "3. regime 1 (test)"
-
-echo "== 4. passkey with the full cache: which contexts SmolLM2 can do"
-"$triattn_eval" passkey --model "$model" --policies full --contexts "$contexts" --depths "$depths" \
-  --trials "$full_trials" --threads "$threads" --out "$out/passkey_full"
-usable=$(awk -F, 'NR > 1 && $3 != "all" && $5 >= 0.8 { printf "%s%s", (n++ ? "," : ""), $3 }' "$out/passkey_full/passkey.csv")
-echo "contexts with full-cache accuracy >= 80%: ${usable:-none}"
-stage_done "4. passkey, full cache"
-
-if [[ -n $usable ]]; then
-  echo "== 5. passkey after a compressed prefill at $usable tokens"
-  # Every policy of regime 1 but the two floors (random and window: a key is found only where
-  # it happens to be kept) and the TriAttention variants, which the 2-core time does not allow.
-  "$triattn_eval" passkey --model "$model" --stats "$out/stats.safetensors" \
-    --policies "full,streaming_llm,h2o,snapkv,vatp,rkv,triattention,triattention_per_layer" \
-    --contexts "$usable" --depths "$depths" --trials "$trials" --fractions "$fractions" --threads "$threads" \
-    --out "$out/passkey"
-  stage_done "5. passkey, policies"
+if stage 1; then
+  echo "== 1. calibrate on SmolLM2's own answers ($answer+ tokens each)"
+  "$triattn" calibrate --model "$model" --prompts "$out/calibration_prompts.txt" --answer-tokens "$answer" \
+    --out "$out/stats.safetensors"
+  "$triattn" inspect "$out/stats.safetensors" > "$out/inspect.txt"
+  tail -n 1 "$out/inspect.txt"
+  stage_done "1. calibration"
 fi
 
-echo "== 6. plots"
+if stage 2; then
+  echo "== 2. tune the extensions on the development prompts"
+  "$triattn_eval" long --model "$model" --prompts "$out/dev_prompts.txt" --stats "$out/stats.safetensors" \
+    --policies "triattention,${candidates// /,}" --budgets "$dev_budgets" --tokens "$tokens" --slack "$slack" \
+    --threads "$threads" --out "$out/dev"
+  # Each extension's value: the lowest mean KL over the development budgets (ties: the first listed).
+  tuned=$(awk -F, -v cands="$candidates" '
+    NR > 1 { kl[$1] += $3; n[$1]++ }
+    END {
+      split(cands, c, " ")
+      for (i = 1; i in c; i++) { p = c[i]; sub(/[0-9.]+$/, "", p); if (!(p in best) || kl[c[i]] / n[c[i]] < score[p]) { best[p] = c[i]; score[p] = kl[c[i]] / n[c[i]] } ; if (!(p in order)) { order[p] = ++k; names[k] = p } }
+      for (j = 1; j <= k; j++) printf "%s%s", (j > 1 ? " " : ""), best[names[j]]
+    }' "$out/dev/long.csv")
+  { echo "# chosen on dev/long.csv: lowest mean KL over budgets $dev_budgets"; for t in $tuned; do echo "$t"; done; } > "$out/tuned.txt"
+  echo "tuned: $tuned"
+  stage_done "2. tuning (dev)"
+fi
+tuned=$(grep -v '^#' "$out/tuned.txt" 2>/dev/null | tr '\n' ' ' | sed 's/ $//' || true)
+
+take "$prompts/test.txt" > "$out/test_prompts.txt"
+if stage 3; then
+  echo "== 3. decode-time compression on the test prompts ($tokens tokens each), each policy's own protection"
+  "$triattn_eval" long --model "$model" --prompts "$out/test_prompts.txt" --stats "$out/stats.safetensors" \
+    --policies "full,random,window,$policies${tuned:+,${tuned// /,}}" --budgets "$budgets" --tokens "$tokens" \
+    --slack "$slack" --threads "$threads" --out "$out/test_own"
+  stage_done "3. regime 1, own protection (test)"
+fi
+if stage 4; then
+  echo "== 4. decode-time compression on the test prompts, every policy under --protocol $harmonised"
+  "$triattn_eval" long --model "$model" --prompts "$out/test_prompts.txt" --stats "$out/stats.safetensors" \
+    --policies "full,$policies" --budgets "$budgets" --tokens "$tokens" --slack "$slack" --threads "$threads" \
+    --protocol "$harmonised" --out "$out/test_harmonised"
+  stage_done "4. regime 1, harmonised (test)"
+fi
+
+retrieval() {  # retrieval OUT FAMILY CONTEXTS TRIALS [ARGS...]
+  local dir=$1 family=$2 ctx=$3 n=$4
+  shift 4
+  "$triattn_eval" retrieval --model "$model" --stats "$out/stats.safetensors" --families "$family" --contexts "$ctx" \
+    --depths "$depths" --trials "$n" --haystack-prompts "$prompts/haystack.txt" --haystack-tokens "$haystack_tokens" \
+    --answer-tokens 12 --threads "$threads" --out "$dir" "$@"
+}
+if stage 5; then
+  echo "== 5. retrieval with the full cache: which (family, context) SmolLM2 can do"
+  for f in $families; do retrieval "$out/retrieval_full/$f" "$f" "$contexts" "$trials" --policies full; done
+  stage_done "5. retrieval, full cache"
+fi
+# "family contexts" lines: the contexts where the full cache scores at least 80 %.
+usable() {
+  for f in $families; do
+    local c
+    c=$(awk -F, 'NR > 1 && $3 != "all" && $5 >= 0.8 { printf "%s%s", (n++ ? "," : ""), $3 }' \
+      "$out/retrieval_full/$f/passkey.csv" 2>/dev/null || true)
+    [[ -n $c ]] && echo "$f $c"
+  done
+  return 0
+}
+if stage 6; then
+  echo "== 6. retrieval after a full prefill, one round to the budget (kvpress's setting)"
+  usable | while read -r f c; do
+    echo "-- $f at $c tokens"
+    retrieval "$out/retrieval_end_own/$f" "$f" "$c" "$trials" --policies "full,$policies" --fractions "$fractions" \
+      --compress-at end
+    retrieval "$out/retrieval_end_harmonised/$f" "$f" "$c" "$trials" --policies "full,$policies" --fractions "$fractions" \
+      --compress-at end --protocol "$harmonised"
+  done
+  stage_done "6. retrieval, one round after the prefill"
+fi
+if stage 7; then
+  echo "== 7. retrieval during a chunked prefill (chunks of 128, a round after each), single needle"
+  if usable | grep -q "^single .*\b${chunk_contexts}\b"; then
+    retrieval "$out/retrieval_chunks" single "$chunk_contexts" "$chunk_trials" --policies "full,$policies" \
+      --fractions "$fractions" --protocol "$harmonised"
+  else
+    echo "(the full cache scores below 80 % on single needles at $chunk_contexts tokens: stage 7 skipped)"
+  fi
+  stage_done "7. retrieval, chunked prefill"
+fi
+
+echo "== 8. plots"
 if (( quick )) && ! command -v gnuplot >/dev/null 2>&1; then
   echo "(no gnuplot: the quick run skips the plots)"
 elif ! command -v gnuplot >/dev/null 2>&1; then
@@ -128,60 +188,83 @@ elif ! command -v gnuplot >/dev/null 2>&1; then
   [[ $(id -u) -ne 0 ]] && sudo_cmd=sudo
   $sudo_cmd apt-get update -qq && $sudo_cmd apt-get install -y -qq gnuplot-nox >/dev/null
 fi
-command -v gnuplot >/dev/null 2>&1 && gnuplot -e "csv='$out/test/long.csv'; out='$out/long.png'; model='SmolLM2-135M-Instruct ($tokens-token answers)'; kl_column=3; title_note=' (D = $slack)'" \
-  "$root/eval/plot_quality.gp"
-[[ -f $out/passkey/passkey.csv ]] && command -v gnuplot >/dev/null 2>&1 && gnuplot -e "csv='$out/passkey/passkey.csv'; out='$out/passkey.png'; title_note=' (contexts $usable)'" \
-  "$root/eval/plot_passkey.gp"
+if command -v gnuplot >/dev/null 2>&1; then
+  for p in own harmonised; do
+    [[ -f $out/test_$p/long.csv ]] && gnuplot -e "csv='$out/test_$p/long.csv'; out='$out/long_$p.png'; model='SmolLM2-135M-Instruct ($tokens-token answers)'; kl_column=3; title_note=' (D = $slack, protection: $p)'" \
+      "$root/eval/plot_quality.gp"
+  done
+fi
+
+# Paired differences against the best row of each budget: KL(row) - KL(best) per prompt, the mean
+# ± its standard error across prompts; the best is the compressing row with the lowest mean KL.
+paired() {  # paired LONG_PROMPTS_CSV
+  awk -F, -v budgets="$budgets" '
+    NR > 1 { kl[$1, $2, $3] = $4; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } ; prompts[$3] = 1 }
+    END {
+      nb = split(budgets, b, ",")
+      for (j = 1; j <= nb; j++) {
+        best[j] = ""
+        for (i = 1; i <= n; i++) {
+          v = order[i]; s = 0; m = 0
+          for (p in prompts) { s += kl[v, b[j], p]; m++ }
+          if (best[j] == "" || s / m < bs[j]) { best[j] = v; bs[j] = s / m }
+        }
+      }
+      printf "| policy |"; for (j = 1; j <= nb; j++) printf " B = %s (best: %s) |", b[j], best[j]; printf "\n|---|"
+      for (j = 1; j <= nb; j++) printf "---:|"; printf "\n"
+      for (i = 1; i <= n; i++) {
+        v = order[i]; printf "| %s |", v
+        for (j = 1; j <= nb; j++) {
+          s = 0; ss = 0; m = 0
+          for (p in prompts) { d = kl[v, b[j], p] - kl[best[j], b[j], p]; s += d; ss += d * d; m++ }
+          mean = s / m; se = m > 1 ? sqrt((ss - m * mean * mean) / (m - 1) / m) : 0
+          if (v == best[j]) printf " 0 (best) |"; else printf " %+.4f ± %.4f |", mean, se
+        }
+        printf "\n"
+      }
+    }' "$1"
+}
 
 end=$(date +%s)
 {
-  echo "# SmolLM2-135M-Instruct quality (eval/run_smollm2.sh$( ((quick)) && echo ' --quick'))"
+  echo "# SmolLM2-135M-Instruct quality (eval/run_smollm2.sh$( ((quick)) && echo ' --quick')$( [[ $stages != 1,2,3,4,5,6,7 ]] && echo " --stages $stages"))"
   echo
   echo "Wall time: $((end - start)) s on $(nproc) cores ($threads threads)."
   echo
   echo '| stage | seconds |'
   echo '|---|---:|'
   printf '%s' "$stage_times" | awk 'NF { t = $NF; $NF = ""; sub(/ $/, ""); printf "| %s | %s |\n", $0, t }'
-  echo
-  echo '## R (mean resultant length) of the calibrated query bands'
-  echo
-  echo '```'
-  grep -E '^  all|layer|band' "$out/inspect.txt" | grep -E 'all| layer +[0-9]+ ' | head -n 40
-  echo '```'
-  echo
-  echo "## Tuning (development prompts): $tuned"
-  echo
-  cat "$out/dev/long.md"
-  echo
-  cat "$out/test/long.md"
-  echo
-  echo "## Paired differences from the paper default (test prompts)"
-  echo
-  echo "KL(variant) - KL(triattention) per prompt, then the mean ± its standard error across prompts"
-  echo "(negative: the variant is closer to the full cache)."
-  echo
-  # long_prompts.csv: policy,budget,prompt,kl,...
-  awk -F, -v budgets="$budgets" '
-    NR > 1 { kl[$1, $2, $3] = $4; if (!($1 in seen)) { seen[$1] = 1; order[++n] = $1 } ; prompts[$3] = 1 }
-    END {
-      nb = split(budgets, b, ",")
-      printf "| variant |"; for (j = 1; j <= nb; j++) printf " B = %s |", b[j]; printf "\n|---|"
-      for (j = 1; j <= nb; j++) printf "---:|"; printf "\n"
-      for (i = 1; i <= n; i++) {
-        v = order[i]
-        if (v == "triattention" || v !~ /^triattention_/) continue
-        printf "| %s |", v
-        for (j = 1; j <= nb; j++) {
-          s = 0; ss = 0; m = 0
-          for (p in prompts) { d = kl[v, b[j], p] - kl["triattention", b[j], p]; s += d; ss += d * d; m++ }
-          mean = s / m; se = m > 1 ? sqrt((ss - m * mean * mean) / (m - 1) / m) : 0
-          printf " %+.4f ± %.4f |", mean, se
-        }
-        printf "\n"
-      }
-    }' "$out/test/long_prompts.csv"
-  echo
-  cat "$out/passkey_full/passkey.md"
-  [[ -f $out/passkey/passkey.md ]] && { echo; cat "$out/passkey/passkey.md"; }
+  if [[ -f $out/inspect.txt ]]; then
+    echo
+    echo '## R (mean resultant length) of the calibrated query bands'
+    echo
+    echo '```'
+    grep -E '^  all|layer|band' "$out/inspect.txt" | grep -E 'all| layer +[0-9]+ ' | head -n 40
+    echo '```'
+  fi
+  if [[ -f $out/dev/long.md ]]; then
+    echo
+    echo "## Tuning (development prompts): $tuned"
+    echo
+    cat "$out/dev/long.md"
+  fi
+  for p in own harmonised; do
+    [[ -f $out/test_$p/long.md ]] || continue
+    echo
+    echo "## Regime 1, protection: $p"
+    echo
+    cat "$out/test_$p/long.md"
+    echo
+    echo "### Paired differences against the best policy (KL, test prompts; negative: closer to the full cache)"
+    echo
+    paired "$out/test_$p/long_prompts.csv"
+  done
+  for d in "$out"/retrieval_full/* "$out"/retrieval_end_own/* "$out"/retrieval_end_harmonised/* "$out/retrieval_chunks"; do
+    [[ -f $d/passkey.md ]] || continue
+    echo
+    echo "## ${d#"$out"/}"
+    echo
+    cat "$d/passkey.md"
+  done
 } > "$out/summary.md"
 echo "== wrote $out/summary.md in $((end - start)) s"
