@@ -21,16 +21,14 @@ namespace triattn_runner {
 
 namespace detail {
 
-// The products run on AVX2 where the CPU has it, chosen when the program starts (GCC and
-// Clang function multiversioning); the sums stay in run.c's order, so both clones give the
-// same bits. Not AVX-512: it brings FMA, and GCC then fuses the multiply-adds, which rounds
-// differently (the batched-decoding test sees it); for the same reason the programs that use
-// the runner build with -ffp-contract=off (CMake target triattn_runner), whatever -march.
+// The products and the attention sums run on AVX where the CPU has it (checked when they are
+// called): the kernels use only AVX's 256-bit float instructions, not AVX2's integer ones, so
+// that CPUs that report AVX without AVX2 (some virtual machines) take them too. The sums stay in
+// run.c's order, so the AVX and the plain loops give the same bits. No FMA: it rounds
+// differently (the batched-decoding test sees it), and for the same reason the programs that
+// use the runner build with -ffp-contract=off (CMake target triattn_runner), whatever -march.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__SANITIZE_ADDRESS__)
-#define TRIATTN_RUNNER_PRODUCT_CLONES __attribute__((target_clones("avx2", "default")))
-#define TRIATTN_RUNNER_AVX2_KERNEL 1
-#else
-#define TRIATTN_RUNNER_PRODUCT_CLONES
+#define TRIATTN_RUNNER_AVX_KERNEL 1
 #endif
 
 inline constexpr int panel_rows = model::panel_rows;
@@ -59,23 +57,23 @@ inline void panel_tile(float* out, const float* panel, const float* x, int rows,
   store_tile<S>(out, acc, rows, i0, s0);
 }
 
-#if TRIATTN_RUNNER_AVX2_KERNEL
-// acc_lo / acc_hi (the panel's rows 0-7 / 8-15) += w * x: a multiply then an add (AVX2 has no
+#if TRIATTN_RUNNER_AVX_KERNEL
+// acc_lo / acc_hi (the panel's rows 0-7 / 8-15) += w * x: a multiply then an add (AVX has no
 // fused form, and the runner builds with -ffp-contract=off).
-__attribute__((target("avx2"), always_inline)) inline void panel_step(__m256& lo, __m256& hi, __m256 w_lo, __m256 w_hi,
-                                                                      const float* x) {
+__attribute__((target("avx"), always_inline)) inline void panel_step(__m256& lo, __m256& hi, __m256 w_lo, __m256 w_hi,
+                                                                     const float* x) {
   const __m256 a = _mm256_broadcast_ss(x);
   lo = _mm256_add_ps(lo, _mm256_mul_ps(w_lo, a));
   hi = _mm256_add_ps(hi, _mm256_mul_ps(w_hi, a));
 }
 
-// The AVX2 twin of `panel_tile` for S <= 6: the panel's 16 rows in two registers, one
+// The AVX twin of `panel_tile` for S <= 6: the panel's 16 rows in two registers, one
 // broadcast of x per sequence, each lane summing in j order. The 2S accumulators are named
 // variables: GCC keeps an array of them in registers too, but also stores it to the stack on
 // every j (half the speed).
 template <int S>
-__attribute__((target("avx2"))) inline void panel_tile_avx2(float* out, const float* panel, const float* x, int rows,
-                                                            int cols, int i0, int s0) {
+__attribute__((target("avx"))) inline void panel_tile_avx(float* out, const float* panel, const float* x, int rows,
+                                                          int cols, int i0, int s0) {
   static_assert(S >= 1 && S <= 6);
   const __m256 z = _mm256_setzero_ps();
   __m256 a0 = z, b0 = z, a1 = z, b1 = z, a2 = z, b2 = z, a3 = z, b3 = z, a4 = z, b4 = z, a5 = z, b5 = z;
@@ -100,8 +98,8 @@ __attribute__((target("avx2"))) inline void panel_tile_avx2(float* out, const fl
   store_tile<S>(out, lanes, rows, i0, s0);
 }
 
-__attribute__((target("avx2"))) inline void matmul_panels_avx2(float* out, const float* panels, const float* x,
-                                                               int rows, int cols, int n, int p0, int p1) {
+__attribute__((target("avx"))) inline void matmul_panels_avx(float* out, const float* panels, const float* x,
+                                                             int rows, int cols, int n, int p0, int p1) {
   for (int p = p0; p < p1; ++p) {
     const float* panel = panels + static_cast<std::ptrdiff_t>(p) * cols * panel_rows;
     const int i0 = p * panel_rows;
@@ -110,15 +108,15 @@ __attribute__((target("avx2"))) inline void matmul_panels_avx2(float* out, const
     // few independent sums to hide the adds' latency. 7 = 4 + 3, 8 = 4 + 4.
     const int rest = n % 6, whole = n / 6 - (rest > 0 && rest < 3 && n >= 6 ? 1 : 0);
     int s0 = 0;
-    for (int k = 0; k < whole; ++k, s0 += 6) panel_tile_avx2<6>(out, panel, x, rows, cols, i0, s0);
+    for (int k = 0; k < whole; ++k, s0 += 6) panel_tile_avx<6>(out, panel, x, rows, cols, i0, s0);
     for (int left = n - s0; left > 0;) {
       const int take = left > 5 ? 4 : left;  // 7, 8: 4 first
       switch (take) {
-        case 5: panel_tile_avx2<5>(out, panel, x, rows, cols, i0, s0); break;
-        case 4: panel_tile_avx2<4>(out, panel, x, rows, cols, i0, s0); break;
-        case 3: panel_tile_avx2<3>(out, panel, x, rows, cols, i0, s0); break;
-        case 2: panel_tile_avx2<2>(out, panel, x, rows, cols, i0, s0); break;
-        default: panel_tile_avx2<1>(out, panel, x, rows, cols, i0, s0); break;
+        case 5: panel_tile_avx<5>(out, panel, x, rows, cols, i0, s0); break;
+        case 4: panel_tile_avx<4>(out, panel, x, rows, cols, i0, s0); break;
+        case 3: panel_tile_avx<3>(out, panel, x, rows, cols, i0, s0); break;
+        case 2: panel_tile_avx<2>(out, panel, x, rows, cols, i0, s0); break;
+        default: panel_tile_avx<1>(out, panel, x, rows, cols, i0, s0); break;
       }
       s0 += take;
       left -= take;
@@ -132,8 +130,8 @@ __attribute__((target("avx2"))) inline void matmul_panels_avx2(float* out, const
 // in j order, as run.c's matvec: the same bits for any n, any split of the panels, any vector
 // width.
 inline void matmul_panels(float* out, const float* panels, const float* x, int rows, int cols, int n, int p0, int p1) {
-#if TRIATTN_RUNNER_AVX2_KERNEL
-  if (__builtin_cpu_supports("avx2")) return matmul_panels_avx2(out, panels, x, rows, cols, n, p0, p1);
+#if TRIATTN_RUNNER_AVX_KERNEL
+  if (__builtin_cpu_supports("avx")) return matmul_panels_avx(out, panels, x, rows, cols, n, p0, p1);
 #endif
   for (int p = p0; p < p1; ++p) {
     const float* panel = panels + static_cast<std::ptrdiff_t>(p) * cols * panel_rows;
@@ -176,10 +174,10 @@ inline void attention_values(const float* att, const float* values, std::int64_t
   }
 }
 
-#if TRIATTN_RUNNER_AVX2_KERNEL
+#if TRIATTN_RUNNER_AVX_KERNEL
 // r[i] (8 floats of key i) -> r[j] (dim j of the 8 keys).
-__attribute__((target("avx2"), always_inline)) inline void transpose8(__m256& r0, __m256& r1, __m256& r2, __m256& r3,
-                                                                      __m256& r4, __m256& r5, __m256& r6, __m256& r7) {
+__attribute__((target("avx"), always_inline)) inline void transpose8(__m256& r0, __m256& r1, __m256& r2, __m256& r3,
+                                                                     __m256& r4, __m256& r5, __m256& r6, __m256& r7) {
   const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -199,9 +197,9 @@ __attribute__((target("avx2"), always_inline)) inline void transpose8(__m256& r0
 }
 
 // acc (8 keys) += q[j] * c_j for the 8 dims of a transposed block, in d order.
-__attribute__((target("avx2"), always_inline)) inline __m256 dot_block(__m256 acc, const float* q, __m256 c0, __m256 c1,
-                                                                       __m256 c2, __m256 c3, __m256 c4, __m256 c5,
-                                                                       __m256 c6, __m256 c7) {
+__attribute__((target("avx"), always_inline)) inline __m256 dot_block(__m256 acc, const float* q, __m256 c0, __m256 c1,
+                                                                      __m256 c2, __m256 c3, __m256 c4, __m256 c5,
+                                                                      __m256 c6, __m256 c7) {
   acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(q), c0));
   acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(q + 1), c1));
   acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(q + 2), c2));
@@ -216,9 +214,9 @@ __attribute__((target("avx2"), always_inline)) inline __m256 dot_block(__m256 ac
 // keys, head_dim a multiple of 8: each block of 8 keys x 8 dims is loaded and transposed once
 // for every query, and each lane sums one key's dot product in d order (run.c's bits).
 // att + i * att_stride is query i's row.
-__attribute__((target("avx2"))) inline void attention_logits_avx2(const float* q, int nq, const float* keys,
-                                                                  std::int64_t stride, int hd, std::int32_t len,
-                                                                  float scale, float* att, std::int64_t att_stride) {
+__attribute__((target("avx"))) inline void attention_logits_avx(const float* q, int nq, const float* keys,
+                                                                std::int64_t stride, int hd, std::int32_t len,
+                                                                float scale, float* att, std::int64_t att_stride) {
   const __m256 z = _mm256_setzero_ps(), div = _mm256_set1_ps(scale);
   const std::int32_t whole = len / 8 * 8;
   for (std::int32_t t = 0; t < whole; t += 8) {
@@ -247,7 +245,7 @@ __attribute__((target("avx2"))) inline void attention_logits_avx2(const float* q
 
 // acc_k += a * v[8k..8k+8) for the V vectors of one value row.
 template <int V>
-__attribute__((target("avx2"), always_inline)) inline void value_step(__m256 (&acc)[8], __m256 a, const float* v) {
+__attribute__((target("avx"), always_inline)) inline void value_step(__m256 (&acc)[8], __m256 a, const float* v) {
   if constexpr (V > 0) acc[0] = _mm256_add_ps(acc[0], _mm256_mul_ps(a, _mm256_loadu_ps(v)));
   if constexpr (V > 1) acc[1] = _mm256_add_ps(acc[1], _mm256_mul_ps(a, _mm256_loadu_ps(v + 8)));
   if constexpr (V > 2) acc[2] = _mm256_add_ps(acc[2], _mm256_mul_ps(a, _mm256_loadu_ps(v + 16)));
@@ -261,8 +259,8 @@ __attribute__((target("avx2"), always_inline)) inline void value_step(__m256 (&a
 // `attention_values` for dims [d0, d0 + 8V) (V <= 8 vectors in registers), each lane summing
 // in t order.
 template <int V>
-__attribute__((target("avx2"))) inline void attention_values_avx2(const float* att, const float* values,
-                                                                   std::int64_t stride, std::int32_t len, float* out) {
+__attribute__((target("avx"))) inline void attention_values_avx(const float* att, const float* values,
+                                                                std::int64_t stride, std::int32_t len, float* out) {
   __m256 acc[8];
   for (__m256& a : acc) a = _mm256_setzero_ps();
   for (std::int32_t t = 0; t < len; ++t)
@@ -270,33 +268,33 @@ __attribute__((target("avx2"))) inline void attention_values_avx2(const float* a
   for (int k = 0; k < V; ++k) _mm256_storeu_ps(out + 8 * k, acc[k]);
 }
 
-__attribute__((target("avx2"))) inline void attention_values_avx2(const float* att, const float* values,
-                                                                   std::int64_t stride, int hd, std::int32_t len,
-                                                                   float* out) {
+__attribute__((target("avx"))) inline void attention_values_avx(const float* att, const float* values,
+                                                                std::int64_t stride, int hd, std::int32_t len,
+                                                                float* out) {
   for (int d0 = 0; d0 < hd; d0 += 64) {
     const float* v = values + d0;
     switch (std::min(8, (hd - d0) / 8)) {
-      case 8: attention_values_avx2<8>(att, v, stride, len, out + d0); break;
-      case 7: attention_values_avx2<7>(att, v, stride, len, out + d0); break;
-      case 6: attention_values_avx2<6>(att, v, stride, len, out + d0); break;
-      case 5: attention_values_avx2<5>(att, v, stride, len, out + d0); break;
-      case 4: attention_values_avx2<4>(att, v, stride, len, out + d0); break;
-      case 3: attention_values_avx2<3>(att, v, stride, len, out + d0); break;
-      case 2: attention_values_avx2<2>(att, v, stride, len, out + d0); break;
-      default: attention_values_avx2<1>(att, v, stride, len, out + d0); break;
+      case 8: attention_values_avx<8>(att, v, stride, len, out + d0); break;
+      case 7: attention_values_avx<7>(att, v, stride, len, out + d0); break;
+      case 6: attention_values_avx<6>(att, v, stride, len, out + d0); break;
+      case 5: attention_values_avx<5>(att, v, stride, len, out + d0); break;
+      case 4: attention_values_avx<4>(att, v, stride, len, out + d0); break;
+      case 3: attention_values_avx<3>(att, v, stride, len, out + d0); break;
+      case 2: attention_values_avx<2>(att, v, stride, len, out + d0); break;
+      default: attention_values_avx<1>(att, v, stride, len, out + d0); break;
     }
   }
 }
 #endif
 
 // The logits of the `nq` queries at q (q + i * hd) that read the same f32 keys: row i at
-// att + i * att_stride. The AVX2 kernel where the CPU has it and head_dim is a multiple of 8.
+// att + i * att_stride. The AVX kernel where the CPU has it and head_dim is a multiple of 8.
 inline void group_logits(const float* q, int nq, const float* keys, std::int64_t stride, int hd, std::int32_t len,
                          float scale, float* att, std::int64_t att_stride) {
-#if TRIATTN_RUNNER_AVX2_KERNEL
-  if (hd % 8 == 0 && __builtin_cpu_supports("avx2")) {
+#if TRIATTN_RUNNER_AVX_KERNEL
+  if (hd % 8 == 0 && __builtin_cpu_supports("avx")) {
     for (int i = 0; i < nq; i += 4)
-      attention_logits_avx2(q + static_cast<std::ptrdiff_t>(i) * hd, std::min(4, nq - i), keys, stride, hd, len, scale,
+      attention_logits_avx(q + static_cast<std::ptrdiff_t>(i) * hd, std::min(4, nq - i), keys, stride, hd, len, scale,
                             att + i * att_stride, att_stride);
     return;
   }
@@ -305,11 +303,11 @@ inline void group_logits(const float* q, int nq, const float* keys, std::int64_t
     attention_logits(q + static_cast<std::ptrdiff_t>(i) * hd, keys, stride, hd, len, scale, att + i * att_stride);
 }
 
-// `attention_values` with the AVX2 kernel where the CPU has it and head_dim is a multiple of 8.
+// `attention_values` with the AVX kernel where the CPU has it and head_dim is a multiple of 8.
 inline void values_sum(const float* att, const float* values, std::int64_t stride, int hd, std::int32_t len,
                        float* out) {
-#if TRIATTN_RUNNER_AVX2_KERNEL
-  if (hd % 8 == 0 && __builtin_cpu_supports("avx2")) return attention_values_avx2(att, values, stride, hd, len, out);
+#if TRIATTN_RUNNER_AVX_KERNEL
+  if (hd % 8 == 0 && __builtin_cpu_supports("avx")) return attention_values_avx(att, values, stride, hd, len, out);
 #endif
   attention_values(att, values, stride, hd, len, out);
 }
