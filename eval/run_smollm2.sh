@@ -73,13 +73,13 @@ triattn_eval=$build/bin/triattn_eval
 # cache scores at least 80 %, at 10 % and 25 % of the context. --quick keeps every stage and
 # shrinks each, for CI.
 if (( quick )); then
-  answer=32 tokens=96 budgets=64 dev_budgets=64 contexts=256 depths=0.5 fractions=0.25 trials=1 chunk_trials=1
+  answer=32 tokens=96 budgets=64 dev_budgets=64 contexts=256 depths=0.5 fractions=0.25 trials=1 chunk_trials=1 min_samples=1
   haystack_tokens=96 chunk_contexts=256
   candidates="triattention_vp0.2 triattention_red1 triattention_ema0.5"
   take() { grep -v '^#' "$1" | grep . | head -n 1; }
 else
   answer=1024 tokens=1024 budgets=128,256,512 dev_budgets=128 contexts=2048,4096 depths=0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95
-  fractions=0.1,0.25 trials=1 chunk_trials=3 haystack_tokens=1024 chunk_contexts=2048
+  fractions=0.1,0.25 trials=1 chunk_trials=3 min_samples=30 haystack_tokens=1024 chunk_contexts=2048
   candidates="triattention_vp0.05 triattention_vp0.2 triattention_red0.3 triattention_red1 triattention_ema0.5 triattention_ema0.9"
   take() { grep -v '^#' "$1" | grep .; }
 fi
@@ -161,10 +161,14 @@ usable() {
 if stage 6; then
   echo "== 6. retrieval after a full prefill, one round to the budget (kvpress's setting)"
   usable | while read -r f c; do
-    echo "-- $f at $c tokens"
-    retrieval "$out/retrieval_end_own/$f" "$f" "$c" "$trials" --policies "full,$policies" --fractions "$fractions" \
+    # Enough samples per depth that each (family, policy, fraction) cell, pooled over the depths
+    # and the usable contexts, has at least $min_samples.
+    n_ctx=$(tr ',' '\n' <<< "$c" | grep -c .) n_depths=$(tr ',' '\n' <<< "$depths" | grep -c .)
+    n=$(( (min_samples + n_ctx * n_depths - 1) / (n_ctx * n_depths) ))
+    echo "-- $f at $c tokens, $n sample(s) per depth"
+    retrieval "$out/retrieval_end_own/$f" "$f" "$c" "$n" --policies "full,$policies" --fractions "$fractions" \
       --compress-at end
-    retrieval "$out/retrieval_end_harmonised/$f" "$f" "$c" "$trials" --policies "full,$policies" --fractions "$fractions" \
+    retrieval "$out/retrieval_end_harmonised/$f" "$f" "$c" "$n" --policies "full,$policies" --fractions "$fractions" \
       --compress-at end --protocol "$harmonised"
   done
   stage_done "6. retrieval, one round after the prefill"

