@@ -1,7 +1,8 @@
 /// \file runner/ggml_bridge.hpp
 /// \brief The one place where the runner and the programs touch ggml and llama.cpp (MIT): reading a GGUF file
-/// (metadata, tensors dequantised to f32), llama.cpp's tokenizer and chat template, and
-/// llama.cpp's own forward pass as a reference for parity tests.
+/// (metadata, tensors dequantised to f32 or as their raw blocks), ggml's CPU kernels for a block
+/// format, llama.cpp's tokenizer and chat template, and llama.cpp's own forward pass as a
+/// reference for parity tests.
 ///
 /// Built with the CMake target `triattn_llama_cpp` (configure with TRIATTN_WITH_LLAMA_CPP=ON).
 /// Every error is a `triattn::error` whose message names the API and the key, tensor or path.
@@ -22,12 +23,14 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include <ggml-cpu.h>
 #include <ggml.h>
 #include <gguf.h>
 #include <llama.h>
@@ -65,6 +68,7 @@ inline void init_backend() {
   std::call_once(once, [] {
     llama_log_set(detail::quiet_log, nullptr);
     llama_backend_init();
+    ggml_cpu_init();  // the CPU kernels' tables, for `quantized_kernels` used without a llama context
   });
 }
 
@@ -215,13 +219,35 @@ class gguf_file {
   [[nodiscard]] std::vector<float> dequantize(const std::string& name) const {
     constexpr const char* api = "ggml_bridge::gguf_file::dequantize";
     const tensor_desc d = tensor_info(name);
-    const std::int64_t n = d.elements();
     const auto* traits = ggml_get_type_traits(d.type);
     TRIATTN_CHECK(d.type == GGML_TYPE_F32 || (traits != nullptr && traits->to_float != nullptr), api, path_,
                   ": tensor ", name, " has type ", ggml_type_name(d.type), ", which has no conversion to f32");
+    const std::vector<std::byte> raw = read(name, d, api);
+    std::vector<float> out(static_cast<std::size_t>(d.elements()));
+    if (d.type == GGML_TYPE_F32) {
+      std::memcpy(out.data(), raw.data(), raw.size());
+    } else {
+      traits->to_float(raw.data(), out.data(), d.elements());
+    }
+    return out;
+  }
+
+  /// The bytes of tensor `name` as the file stores them (blocks of its type, rows of `ne[0]`
+  /// elements). Throws if the tensor is missing or the file is shorter than its data.
+  [[nodiscard]] std::vector<std::byte> raw_bytes(const std::string& name) const {
+    return read(name, tensor_info(name), "ggml_bridge::gguf_file::raw_bytes");
+  }
+
+ private:
+  struct ggml_context_deleter {
+    void operator()(ggml_context* ctx) const { ggml_free(ctx); }
+  };
+
+  // The data of tensor `name` (described by `d`), checked against its type's size and the file's.
+  std::vector<std::byte> read(const std::string& name, const tensor_desc& d, const char* api) const {
+    const std::int64_t n = d.elements();
     TRIATTN_CHECK(d.bytes == ggml_row_size(d.type, n), api, path_, ": tensor ", name, " holds ", d.bytes,
                   " bytes, expected ", ggml_row_size(d.type, n), " for ", n, " elements of ", ggml_type_name(d.type));
-
     std::error_code ec;
     const auto file_bytes = std::filesystem::file_size(path_, ec);
     TRIATTN_CHECK(!ec, api, path_, ": cannot stat the file: ", ec.message());
@@ -230,25 +256,13 @@ class gguf_file {
 
     std::ifstream in(path_, std::ios::binary);
     TRIATTN_CHECK(in.is_open(), api, path_, ": cannot open the file");
-    std::vector<char> raw(d.bytes);
+    std::vector<std::byte> raw(d.bytes);
     in.seekg(static_cast<std::streamoff>(d.offset));
-    in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
+    in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
     TRIATTN_CHECK(in.gcount() == static_cast<std::streamsize>(raw.size()), api, path_, ": truncated: read ",
                   in.gcount(), " of the ", raw.size(), " bytes of tensor ", name);
-
-    std::vector<float> out(static_cast<std::size_t>(n));
-    if (d.type == GGML_TYPE_F32) {
-      std::memcpy(out.data(), raw.data(), raw.size());
-    } else {
-      traits->to_float(raw.data(), out.data(), n);
-    }
-    return out;
+    return raw;
   }
-
- private:
-  struct ggml_context_deleter {
-    void operator()(ggml_context* ctx) const { ggml_free(ctx); }
-  };
 
   std::int64_t find_key(const std::string& key, const char* api) const {
     const auto id = gguf_find_key(gguf_, key.c_str());
@@ -265,6 +279,30 @@ class gguf_file {
   gguf_context* gguf_ = nullptr;
   std::unique_ptr<ggml_context, ggml_context_deleter> meta_;
 };
+
+/// ggml's CPU kernels for the rows of a block format: `to_float` decodes a row, `quantize_input`
+/// encodes an f32 input row in `input_type` (the format `vec_dot` takes beside the weights), and
+/// `vec_dot` is ggml's own dot product of a weight row with an input row, as its CPU product
+/// calls it (`ggml_vec_dot_t`).
+struct cpu_kernels {
+  ggml_to_float_t to_float = nullptr;
+  ggml_from_float_t quantize_input = nullptr;
+  ggml_vec_dot_t vec_dot = nullptr;
+  ggml_type input_type = GGML_TYPE_F32;
+};
+
+/// The kernels of a quantised `type` (Q4_K, Q6_K, Q8_0, ...), or nothing for a type that is not
+/// quantised or lacks one of them.
+[[nodiscard]] inline std::optional<cpu_kernels> quantized_kernels(ggml_type type) {
+  init_backend();
+  if (!ggml_is_quantized(type)) return std::nullopt;
+  const auto* traits = ggml_get_type_traits(type);
+  const auto* cpu = ggml_get_type_traits_cpu(type);
+  if (traits == nullptr || cpu == nullptr || traits->to_float == nullptr || cpu->vec_dot == nullptr) return std::nullopt;
+  const auto* input = ggml_get_type_traits_cpu(cpu->vec_dot_type);
+  if (input == nullptr || input->from_float == nullptr) return std::nullopt;
+  return cpu_kernels{traits->to_float, input->from_float, cpu->vec_dot, cpu->vec_dot_type};
+}
 
 namespace detail {
 
@@ -357,16 +395,17 @@ class vocab {
   [[nodiscard]] bool is_eog(int id) const { return llama_vocab_is_eog(vocab_, id); }
 
   /// A one-turn prompt in the model's chat template (`tokenizer.chat_template`), ending with
-  /// the assistant's turn opened: for SmolLM2 (ChatML)
-  /// "<|im_start|>user\n" + message + "<|im_end|>\n<|im_start|>assistant\n". llama.cpp applies
-  /// its built-in form of the template, which adds no default system message; pass one in
-  /// `system_message` to get a system turn first. Tokenize the result with parse_special.
+  /// the assistant's turn opened: for SmolLM2 (ChatML) "<|im_start|>system\n" + system +
+  /// "<|im_end|>\n<|im_start|>user\n" + message + "<|im_end|>\n<|im_start|>assistant\n".
+  /// `system_message` empty: the template's own default (`default_system_message`), which
+  /// llama.cpp's built-in form of the template would leave out. Tokenize the result with
+  /// parse_special.
   [[nodiscard]] std::string chat_prompt(std::string_view user_message, std::string_view system_message = {}) const {
     constexpr const char* api = "ggml_bridge::vocab::chat_prompt";
     const char* tmpl = llama_model_chat_template(model_.get(), nullptr);
     TRIATTN_CHECK(tmpl != nullptr, api, "the model has no tokenizer.chat_template");
     const std::string user(user_message);
-    const std::string system(system_message);
+    const std::string system(system_message.empty() ? default_system_message() : std::string(system_message));
     std::vector<llama_chat_message> chat;
     if (!system.empty()) chat.push_back({"system", system.c_str()});
     chat.push_back({"user", user.c_str()});
@@ -383,6 +422,30 @@ class vocab {
     }
     buf.resize(static_cast<std::size_t>(n));
     return buf;
+  }
+
+  /// The system message a ChatML template writes when the chat has none (SmolLM2: "You are a
+  /// helpful AI assistant named SmolLM, trained by Hugging Face"; Qwen2.5: "You are Qwen,
+  /// created by Alibaba Cloud. You are a helpful assistant."): the first literal
+  /// "<|im_start|>system\n...<|im_end|>" of the template whose text is plain (no quote, brace
+  /// or bracket, so not an expression). Empty when the template has none.
+  [[nodiscard]] std::string default_system_message() const {
+    const char* tmpl = llama_model_chat_template(model_.get(), nullptr);
+    if (tmpl == nullptr) return {};
+    const std::string_view t(tmpl);
+    constexpr std::string_view open = "<|im_start|>system", close = "<|im_end|>";
+    for (std::size_t at = t.find(open); at != std::string_view::npos; at = t.find(open, at + 1)) {
+      std::size_t begin = at + open.size();
+      // The newline after the role: a real one, or the two characters of a string literal's escape.
+      if (t.substr(begin, 2) == "\\n") begin += 2;
+      else if (t.substr(begin, 1) == "\n") begin += 1;
+      else continue;
+      const std::size_t end = t.find(close, begin);
+      if (end == std::string_view::npos) break;
+      const std::string_view text = t.substr(begin, end - begin);
+      if (!text.empty() && text.find_first_of("'\"{}[]+") == std::string_view::npos) return std::string(text);
+    }
+    return {};
   }
 
   /// The underlying llama.cpp vocabulary (owned by this object).

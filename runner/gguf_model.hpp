@@ -1,7 +1,9 @@
 /// \file runner/gguf_model.hpp
-/// \brief Loads a Llama-family GGUF checkpoint (SmolLM2, Llama 2/3, TinyLlama) into the
-/// runner (`triattn_runner::model`): shapes, RoPE and RMSNorm epsilon from the metadata,
-/// every tensor dequantised to f32 once by ggml. The forward pass stays the runner's.
+/// \brief Loads a Llama-family GGUF checkpoint (SmolLM2, Llama 2/3, TinyLlama; Qwen2 and
+/// Qwen2.5, architecture `qwen2`) into the runner (`triattn_runner::model`): shapes, RoPE, biases
+/// and RMSNorm epsilon from the metadata; the tensors dequantised to f32 once by ggml, or the
+/// quantised matrices of a large model kept in their blocks and multiplied by ggml's CPU kernels
+/// (`matrix_storage`). The forward pass stays the runner's.
 #pragma once
 
 #include <cmath>
@@ -38,6 +40,9 @@ inline std::string tensor_name(triattn_runner::tensor t, int layer, bool shared_
     case triattn_runner::tensor::freq_cis_real:
     case triattn_runner::tensor::freq_cis_imag: return "";
     case triattn_runner::tensor::wcls: return shared_classifier ? "" : "output.weight";
+    case triattn_runner::tensor::bq: return blk + "attn_q.bias";
+    case triattn_runner::tensor::bk: return blk + "attn_k.bias";
+    case triattn_runner::tensor::bv: return blk + "attn_v.bias";
   }
   return "";
 }
@@ -49,12 +54,12 @@ inline std::string shape_text(const std::vector<std::int64_t>& ne) {
   return out + "]";
 }
 
-/// The runner's config from the metadata of `f` (architecture `llama`).
+/// The runner's config from the metadata of `f` (architecture `llama` or `qwen2`).
 inline triattn_runner::config read_config(const ggml_bridge::gguf_file& f) {
   const char* api = "gguf_model::read_config";
   const std::string arch = f.get_string("general.architecture");
-  TRIATTN_CHECK(arch == "llama", api, f.path(), ": general.architecture is \"", arch,
-                "\"; only the llama architecture (Llama, SmolLM2, TinyLlama) is supported");
+  TRIATTN_CHECK(arch == "llama" || arch == "qwen2", api, f.path(), ": general.architecture is \"", arch,
+                "\"; only llama (Llama, SmolLM2, TinyLlama) and qwen2 (Qwen2, Qwen2.5) are supported");
   const auto key = [&](const char* k) { return arch + "." + k; };
   const auto as_int = [&](const std::string& k) {
     const std::int64_t v = f.get_int(k);
@@ -89,7 +94,9 @@ inline triattn_runner::config read_config(const ggml_bridge::gguf_file& f) {
                 ": RoPE scaling ", f.get_string(key("rope.scaling.type")), " is not supported");
   // llama.cpp rotates the llama architecture with LLAMA_ROPE_TYPE_NORM: adjacent pairs
   // (2j, 2j+1); the converter permuted Q and K so that this is right for HF checkpoints too.
-  c.rope.style = triattn::rope_style::interleaved;
+  // qwen2 keeps Hugging Face's layout and rotates with LLAMA_ROPE_TYPE_NEOX: pairs (j, j + d/2).
+  c.rope.style = arch == "qwen2" ? triattn::rope_style::half : triattn::rope_style::interleaved;
+  c.qkv_bias = arch == "qwen2";
   c.rope.theta = f.has(key("rope.freq_base")) ? f.get_float(key("rope.freq_base")) : 10000.0;
   TRIATTN_CHECK(std::isfinite(c.rope.theta) && c.rope.theta > 1.0, api, f.path(), ": rope.freq_base ", c.rope.theta,
                 " must be finite and > 1");
@@ -122,29 +129,48 @@ inline std::vector<std::int64_t> expected_ne(triattn_runner::tensor t, const tri
     case tensor::w1:
     case tensor::w3: return {c.dim, c.hidden_dim};
     case tensor::w2: return {c.hidden_dim, c.dim};
+    case tensor::bq: return {c.dim};
+    case tensor::bk:
+    case tensor::bv: return {c.kv_dim};
     case tensor::freq_cis_real:
     case tensor::freq_cis_imag: return {};
   }
   return {};
 }
 
+/// How `load` keeps the quantised matrices: dequantised to f32 (the runner's own products, the
+/// same bits on every build) or in the file's blocks, multiplied by ggml's CPU kernels (a
+/// quarter of the memory and of the bytes each product reads; llama.cpp's own arithmetic).
+enum class matrix_storage : std::uint8_t {
+  automatic,  ///< blocks when the f32 weights would take over 2 GiB (a model past ~500M parameters)
+  f32,
+  blocks,
+};
+
 /// Loads `path`. Every tensor's sizes are checked against the config, and its data against
-/// the file's length, before anything is allocated or read. Throws `triattn::error` naming
-/// the file and the tensor or key.
-inline triattn_runner::model load(const std::filesystem::path& path) {
+/// the file's length, before anything is allocated or read. With `storage` blocks (or
+/// automatic, for a large model), a matrix or the token embedding whose every layer is
+/// quantised in a type with ggml CPU kernels stays in its blocks; everything else is f32.
+/// Throws `triattn::error` naming the file and the tensor or key.
+inline triattn_runner::model load(const std::filesystem::path& path, matrix_storage storage = matrix_storage::automatic) {
   const char* api = "gguf_model::load";
+  using triattn_runner::tensor;
   const ggml_bridge::gguf_file f(path);
   const triattn_runner::config c = read_config(f);
   const triattn_runner::tensor_layout layout(c, false);
+  const bool keep_blocks = storage == matrix_storage::blocks ||
+                           (storage == matrix_storage::automatic && layout.floats() * sizeof(float) > 0x1p31);
   std::error_code ec;
   const std::uintmax_t file_bytes = std::filesystem::file_size(path, ec);
   TRIATTN_CHECK(!ec, api, path, ": cannot stat the file: ", ec.message());
-  std::vector<std::string> names;  // in the runner's packing order
+  // Per tensor, its GGUF names (one per layer) in the runner's packing order.
+  std::vector<std::pair<tensor, std::vector<std::string>>> tensors;
   for (std::size_t i = 0; i < triattn_runner::tensor_count; ++i) {
-    const auto t = static_cast<triattn_runner::tensor>(i);
+    const auto t = static_cast<tensor>(i);
+    std::vector<std::string> names;
     for (int l = 0; l < static_cast<int>(layout.slices[i]); ++l) {
       std::string name = tensor_name(t, l, c.shared_classifier);
-      if (name.empty()) continue;
+      if (name.empty() || layout.per_slice[i] == 0) continue;
       const ggml_bridge::tensor_desc info = f.tensor_info(name);
       const std::vector<std::int64_t> want = expected_ne(t, c);
       TRIATTN_CHECK(info.ne == want, api, path, ": tensor ", name, " has sizes ", shape_text(info.ne),
@@ -154,15 +180,39 @@ inline triattn_runner::model load(const std::filesystem::path& path) {
                     "-byte file: truncated");
       names.push_back(std::move(name));
     }
+    if (!names.empty()) tensors.emplace_back(t, std::move(names));
   }
   // Every size is now bounded by a tensor that the file holds.
+  const auto as_blocks = [&](tensor t, const std::vector<std::string>& names) {
+    std::vector<triattn_runner::block_matrix> out;
+    if (!keep_blocks || (t != tensor::token_embedding && expected_ne(t, c).size() != 2)) return out;
+    for (const std::string& name : names) {
+      const ggml_bridge::tensor_desc info = f.tensor_info(name);
+      const auto kernels = ggml_bridge::quantized_kernels(info.type);
+      if (!kernels) return std::vector<triattn_runner::block_matrix>{};
+      triattn_runner::block_matrix& b = out.emplace_back();
+      b.to_float = kernels->to_float;
+      b.quantize_input = kernels->quantize_input;
+      b.vec_dot = kernels->vec_dot;
+      b.row_bytes = ggml_row_size(info.type, info.ne[0]);
+      b.input_row_bytes = ggml_row_size(kernels->input_type, info.ne[0]);
+      b.bytes = f.raw_bytes(name);
+    }
+    return out;
+  };
   std::vector<float> data;
-  data.reserve(static_cast<std::size_t>(layout.floats()));
-  for (const std::string& name : names) {
-    const std::vector<float> w = f.dequantize(name);
-    data.insert(data.end(), w.begin(), w.end());
+  std::vector<std::pair<tensor, std::vector<triattn_runner::block_matrix>>> blocks;
+  for (const auto& [t, names] : tensors) {
+    if (std::vector<triattn_runner::block_matrix> b = as_blocks(t, names); !b.empty()) {
+      blocks.emplace_back(t, std::move(b));
+      continue;
+    }
+    for (const std::string& name : names) {
+      const std::vector<float> w = f.dequantize(name);
+      data.insert(data.end(), w.begin(), w.end());
+    }
   }
-  return triattn_runner::model::from_tensors(c, std::move(data));
+  return triattn_runner::model::from_tensors(c, std::move(data), std::move(blocks));
 }
 
 }  // namespace gguf_model

@@ -340,6 +340,30 @@ struct position_rotation {
   }
 };
 
+// out(s, i) = row i of block matrix `w` · x[s], for the rows [i0, i1) and the n
+// sequences: each input row is quantised once to the kernel's input format (into `scratch`),
+// then ggml's vec_dot takes each weight row with every sequence while the row is in cache. ggml's
+// own CPU product does the same per (row, column), so the runner and llama.cpp agree to the
+// kernels' rounding.
+inline void matmul_blocks(float* out, const block_matrix& w, int rows, int cols, const float* x, int n, int i0, int i1,
+                          std::vector<std::byte>& scratch) {
+  scratch.resize(static_cast<std::size_t>(n) * w.input_row_bytes);
+  for (int s = 0; s < n; ++s)
+    w.quantize_input(x + static_cast<std::ptrdiff_t>(s) * cols, scratch.data() + static_cast<std::size_t>(s) * w.input_row_bytes,
+                     cols);
+  for (int i = i0; i < i1; ++i) {
+    const std::byte* weights = w.bytes.data() + static_cast<std::size_t>(i) * w.row_bytes;
+    for (int s = 0; s < n; ++s)
+      w.vec_dot(cols, out + static_cast<std::ptrdiff_t>(s) * rows + i, 0, weights, 0,
+                scratch.data() + static_cast<std::size_t>(s) * w.input_row_bytes, 0, 1);
+  }
+}
+
+// x += bias, n elements.
+inline void add(float* x, const float* bias, int n) {
+  for (int i = 0; i < n; ++i) x[i] += bias[i];
+}
+
 inline void rmsnorm(float* out, const float* x, const float* gain, int n, float eps) {
   float ss = 0.0f;
   for (int i = 0; i < n; ++i) ss += x[i] * x[i];

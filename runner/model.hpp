@@ -1,6 +1,7 @@
 /// \file runner/model.hpp
 /// \brief The llama2.c model: its checkpoint header (`config`), its tensors and weights, loaded from a llama2.c
-/// version-0 checkpoint (stories260K here) or filled by `gguf_model.hpp` from GGUF.
+/// version-0 checkpoint (stories260K here) or filled by `gguf_model.hpp` from GGUF, as f32 or, for
+/// the matrices, in the file's own block format (`block_matrix`).
 #pragma once
 
 #include <algorithm>
@@ -37,6 +38,7 @@ struct config {
   int kv_dim = 0;      ///< head_dim * n_kv_heads
   bool shared_classifier = true;  ///< the classifier is the token embedding
   float rms_eps = 1e-5f;          ///< RMSNorm epsilon
+  bool qkv_bias = false;          ///< Q, K and V add a bias (Qwen2); llama2.c and Llama have none
   /// How the model rotates queries and keys: llama2.c pairs dims (2j, 2j+1) with theta 10000;
   /// GGUF files give theta and store Q and K permuted for the same pairing.
   triattn::rope_desc rope{.style = triattn::rope_style::interleaved, .theta = 10000.0};
@@ -58,13 +60,33 @@ enum class tensor : std::uint8_t {
   freq_cis_real,    ///< [seq_len, head_dim / 2] legacy cos table (unused: RoPE comes from triattn)
   freq_cis_imag,    ///< [seq_len, head_dim / 2] legacy sin table (unused)
   wcls,             ///< [vocab, dim]; the token embedding when the classifier is shared
+  bq,               ///< [layers][dim] Q bias (config::qkv_bias; empty otherwise)
+  bk,               ///< [layers][kv_dim] K bias
+  bv,               ///< [layers][kv_dim] V bias
 };
-inline constexpr std::size_t tensor_count = 14;
+inline constexpr std::size_t tensor_count = 17;
+
+/// A matrix kept in a GGUF file's own block format (Q4_K, Q6_K, ...) and multiplied by ggml's CPU
+/// kernels: each input row is quantised once to the kernel's input format, then every weight
+/// row is dotted with it. `gguf_model.hpp` fills the function pointers from ggml's type traits,
+/// so that the runner's other headers need no ggml. A 1.5B model stays ~1 GB instead of 6 GB of
+/// f32, and its products read a quarter of the bytes.
+struct block_matrix {
+  void (*to_float)(const void* row, float* out, std::int64_t n) = nullptr;     ///< a weight row to f32
+  void (*quantize_input)(const float* x, void* out, std::int64_t n) = nullptr;  ///< an input row to vec_dot's format
+  /// ggml_vec_dot_t: *s = the dot product of n elements of rows x (weights) and y (input).
+  void (*vec_dot)(int n, float* s, std::size_t bs, const void* x, std::size_t bx, const void* y, std::size_t by,
+                  int nrc) = nullptr;
+  std::size_t row_bytes = 0;        ///< one weight row
+  std::size_t input_row_bytes = 0;  ///< one input row in vec_dot's format
+  std::vector<std::byte> bytes;     ///< [rows][row_bytes]: one layer's matrix (layers may differ in format)
+};
 
 
 /// Floats per slice (`per_slice`) and slices (`slices`: 1, or one per layer) of every tensor,
 /// in file order. Counted in double: exact below 2^53, and a header implying more than that
 /// cannot match any real file size. `freq_tables`: whether the legacy RoPE tables are stored.
+/// A tensor held as a `block_matrix` is left out of the f32 data (`per_slice` 0).
 struct tensor_layout {
   std::array<double, tensor_count> per_slice{};
   std::array<double, tensor_count> slices{};
@@ -72,12 +94,14 @@ struct tensor_layout {
   tensor_layout(const config& c, bool freq_tables) {
     const double d = c.dim, hidden = c.hidden_dim, kv = c.kv_dim, layers = c.n_layers, vocab = c.vocab_size;
     const double freqs = freq_tables ? static_cast<double>(c.seq_len) * (c.head_dim / 2) : 0.0;
-    per_slice = {vocab * d,                               // token_embedding
-                 d, d * d, kv * d, kv * d, d * d, d,      // rms_att, wq, wk, wv, wo, rms_ffn
-                 hidden * d, d * hidden, hidden * d,      // w1, w2, w3
-                 d, freqs, freqs,                         // rms_final, freq_cis_real, freq_cis_imag
-                 c.shared_classifier ? 0.0 : vocab * d};  // wcls
-    slices = {1, layers, layers, layers, layers, layers, layers, layers, layers, layers, 1, 1, 1, 1};
+    const double bias = c.qkv_bias ? 1.0 : 0.0;
+    per_slice = {vocab * d,                              // token_embedding
+                 d, d * d, kv * d, kv * d, d * d, d,     // rms_att, wq, wk, wv, wo, rms_ffn
+                 hidden * d, d * hidden, hidden * d,     // w1, w2, w3
+                 d, freqs, freqs,                        // rms_final, freq_cis_real, freq_cis_imag
+                 c.shared_classifier ? 0.0 : vocab * d,  // wcls
+                 bias * d, bias * kv, bias * kv};        // bq, bk, bv
+    slices = {1, layers, layers, layers, layers, layers, layers, layers, layers, layers, 1, 1, 1, 1, layers, layers, layers};
   }
   /// Floats of every tensor together.
   double floats() const {
@@ -96,13 +120,32 @@ class model {
   static model load(const std::filesystem::path& path);
 
   /// A model from its config and its tensors packed in `layout(c, false)` order (no legacy
-  /// RoPE tables): what a loader of another format builds. Throws when `data` has another size.
-  static model from_tensors(const triattn_runner::config& c, std::vector<float> data) {
+  /// RoPE tables): what a loader of another format builds. The matrices (and the token
+  /// embedding) in `blocks` are kept in their block format, one `block_matrix` per layer, and
+  /// left out of `data`. Throws when `data` or a block matrix has another size.
+  static model from_tensors(const triattn_runner::config& c, std::vector<float> data,
+                            std::vector<std::pair<tensor, std::vector<block_matrix>>> blocks = {}) {
+    const char* api = "triattn_runner::model::from_tensors";
     model m;
     m.config_ = c;
-    m.set_layout(tensor_layout(c, false));
-    TRIATTN_CHECK(data.size() == m.floats_, "triattn_runner::model::from_tensors", data.size(), " floats, the config needs ",
-                  m.floats_);
+    tensor_layout layout(c, false);
+    for (auto& [t, slices] : blocks) {
+      const auto i = static_cast<std::size_t>(t);
+      TRIATTN_CHECK(t == tensor::token_embedding || matrix_index(t) < matrices.size(), api, "tensor ", i,
+                    " is not a matrix");
+      TRIATTN_CHECK(slices.size() == static_cast<std::size_t>(layout.slices[i]), api, "tensor ", i, ": ",
+                    slices.size(), " block matrices for ", layout.slices[i], " layers");
+      const auto rows = static_cast<std::size_t>(m.matrix_shape(t).first);
+      for (const block_matrix& b : slices)
+        TRIATTN_CHECK(b.to_float != nullptr && b.quantize_input != nullptr && b.vec_dot != nullptr &&
+                          b.row_bytes > 0 && b.bytes.size() == rows * b.row_bytes,
+                      api, "tensor ", i, ": a block matrix of ", b.bytes.size(), " bytes or its kernels do not fit ",
+                      rows, " rows");
+      layout.per_slice[i] = 0;
+      m.blocks_[i] = std::move(slices);
+    }
+    m.set_layout(layout);
+    TRIATTN_CHECK(data.size() == m.floats_, api, data.size(), " floats, the config needs ", m.floats_);
     m.data_ = std::move(data);
     m.pack_matrices();
     return m;
@@ -110,16 +153,32 @@ class model {
 
   const triattn_runner::config& config() const { return config_; }
 
-  /// The slice of tensor `t` for `layer` (0 for the tensors that are not per layer).
+  /// The slice of tensor `t` for `layer` (0 for the tensors that are not per layer); empty for
+  /// a tensor kept as a block matrix.
   std::span<const float> weights(tensor t, int layer = 0) const {
-    if (t == tensor::wcls && config_.shared_classifier) t = tensor::token_embedding;
-    const auto i = static_cast<std::size_t>(t);
+    const auto i = static_cast<std::size_t>(resolve(t));
     return {data_.data() + offset_[i] + static_cast<std::size_t>(layer) * slice_[i], slice_[i]};
+  }
+  /// Matrix `t` (or the token embedding) of `layer` when it is kept in its block format, else
+  /// nullptr.
+  const block_matrix* blocks(tensor t, int layer = 0) const {
+    const std::vector<block_matrix>& b = blocks_[static_cast<std::size_t>(resolve(t))];
+    return b.empty() ? nullptr : &b[static_cast<std::size_t>(layer)];
+  }
+  /// Row `token` of the token embedding as f32 into `out` [dim].
+  void embed(int token, float* out) const {
+    const int dim = config_.dim;
+    if (const block_matrix* b = blocks(tensor::token_embedding)) {
+      b->to_float(b->bytes.data() + static_cast<std::size_t>(token) * b->row_bytes, out, dim);
+    } else {
+      std::copy_n(weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(token) * dim, dim, out);
+    }
   }
 
   /// Rows of every panel of `panels()`.
   static constexpr int panel_rows = 16;
-  /// Rows (out) and columns (in) of matrix `t`: wq, wk, wv, wo, w1, w2, w3 or wcls.
+  /// Rows (out) and columns (in) of matrix `t`: wq, wk, wv, wo, w1, w2, w3, wcls or the token
+  /// embedding.
   std::pair<int, int> matrix_shape(tensor t) const {
     const triattn_runner::config& c = config_;
     switch (t) {
@@ -128,6 +187,7 @@ class model {
       case tensor::w1:
       case tensor::w3: return {c.hidden_dim, c.dim};
       case tensor::w2: return {c.dim, c.hidden_dim};
+      case tensor::token_embedding:
       case tensor::wcls: return {c.vocab_size, c.dim};
       default: return {c.dim, c.dim};  // wq, wo
     }
@@ -148,17 +208,26 @@ class model {
   static std::size_t matrix_index(tensor t) {
     return static_cast<std::size_t>(std::find(matrices.begin(), matrices.end(), t) - matrices.begin());
   }
-  // Builds panels_ from data_ (after a load).
+  // The tensor that holds `t`: the token embedding for a shared classifier.
+  tensor resolve(tensor t) const {
+    return t == tensor::wcls && config_.shared_classifier ? tensor::token_embedding : t;
+  }
+  // Builds panels_ from data_ (after a load), for the matrices held as f32.
   void pack_matrices() {
     std::size_t at = 0;
     for (std::size_t m = 0; m < matrices.size(); ++m) {
       const auto [rows, cols] = matrix_shape(matrices[m]);
       panel_offset_[m] = at;
+      if (blocks(matrices[m]) != nullptr) {
+        panel_slice_[m] = 0;
+        continue;
+      }
       panel_slice_[m] = static_cast<std::size_t>((rows + panel_rows - 1) / panel_rows) * panel_rows * static_cast<std::size_t>(cols);
       at += panel_slice_[m] * (matrices[m] == tensor::wcls ? 1 : static_cast<std::size_t>(config_.n_layers));
     }
     panels_.assign(at, 0.0f);
     for (std::size_t m = 0; m < matrices.size(); ++m) {
+      if (panel_slice_[m] == 0) continue;
       const auto [rows, cols] = matrix_shape(matrices[m]);
       const int layers = matrices[m] == tensor::wcls ? 1 : config_.n_layers;
       for (int l = 0; l < layers; ++l) {
@@ -188,7 +257,8 @@ class model {
   std::vector<float> data_;                       // every tensor, packed as in the file
   std::array<std::size_t, tensor_count> offset_{};  // first float of each tensor
   std::array<std::size_t, tensor_count> slice_{};   // floats per layer (or in all) of each tensor
-  std::vector<float> panels_;                        // the matrices as panels(), in `matrices` order
+  std::vector<float> panels_;                        // the f32 matrices as panels(), in `matrices` order
+  std::array<std::vector<block_matrix>, tensor_count> blocks_;  // [layers] of the tensors kept in a block format
   std::array<std::size_t, matrices.size()> panel_offset_{}, panel_slice_{};
 };
 

@@ -37,6 +37,7 @@ struct forward_buffers {
   int n = 0;
   std::vector<float> x, xb, xb2, q, k, v, hb, hb2, logits;  // [n, dim] x4, [n, kv_dim] x2, [n, hidden] x2, [n, vocab]
   std::vector<std::vector<float>> att, row;                  // per team member: [group, capacity], [head_dim]
+  std::vector<std::vector<std::byte>> quantized;             // per team member: a block product's inputs
   std::vector<detail::position_rotation> rope;               // [n]: each sequence's RoPE at its position
 
   void reserve(const config& c, int batch, std::int64_t capacity, int members) {
@@ -53,6 +54,7 @@ struct forward_buffers {
     }
     att.resize(static_cast<std::size_t>(members));
     row.resize(att.size());
+    quantized.resize(att.size());
     const auto group_slots = static_cast<std::size_t>(c.n_heads / c.n_kv_heads) * static_cast<std::size_t>(capacity);
     for (std::size_t t = 0; t < att.size(); ++t) {
       if (att[t].size() < group_slots) att[t].resize(group_slots);
@@ -249,15 +251,21 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
   const auto row = [](std::vector<float>& buf, int s, int width) { return buf.data() + std::ptrdiff_t{s} * width; };
   // run.c divides by sqrtf(head_size); dividing (not multiplying by the reciprocal) keeps its bits.
   const float scale = std::sqrt(static_cast<float>(hd));
-  // out = x · wᵀ for member t's share of the panels of matrix `w` of layer l.
+  // out = x · wᵀ for member t's share of the panels of matrix `w` of layer l (a block matrix is
+  // shared by the same rows).
   const auto product = [&](int t, float* out, tensor w, int l, const float* x) {
     const auto [rows, cols] = m.matrix_shape(w);
     const int panels = (rows + model::panel_rows - 1) / model::panel_rows;
-    detail::matmul_panels(out, m.panels(w, l).data(), x, rows, cols, n, panels * t / members, panels * (t + 1) / members);
+    const int p0 = panels * t / members, p1 = panels * (t + 1) / members;
+    if (const block_matrix* blocks = m.blocks(w, l)) {
+      detail::matmul_blocks(out, *blocks, rows, cols, x, n, p0 * model::panel_rows,
+                            std::min(rows, p1 * model::panel_rows), b.quantized[static_cast<std::size_t>(t)]);
+    } else {
+      detail::matmul_panels(out, m.panels(w, l).data(), x, rows, cols, n, p0, p1);
+    }
   };
   for (int s = 0; s < n; ++s) {
-    std::copy_n(m.weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(tokens[s]) * dim, dim,
-                row(b.x, s, dim));
+    m.embed(tokens[s], row(b.x, s, dim));
     b.rope[static_cast<std::size_t>(s)].set(c.rope, hd, static_cast<std::int32_t>(sessions[static_cast<std::size_t>(s)]->position_));
   }
 
@@ -269,6 +277,13 @@ inline void forward(const model& m, std::span<session* const> sessions, std::spa
       product(t, b.k.data(), tensor::wk, l, b.xb.data());
       product(t, b.v.data(), tensor::wv, l, b.xb.data());
     });
+    if (c.qkv_bias) {
+      for (int s = 0; s < n; ++s) {
+        detail::add(row(b.q, s, dim), m.weights(tensor::bq, l).data(), dim);
+        detail::add(row(b.k, s, kv_dim), m.weights(tensor::bk, l).data(), kv_dim);
+        detail::add(row(b.v, s, kv_dim), m.weights(tensor::bv, l).data(), kv_dim);
+      }
+    }
 
     // Attention, a sequence per member at a time (its observer is called from that member only).
     team.for_each(static_cast<std::size_t>(n), [&](std::size_t si) {

@@ -87,21 +87,16 @@ class text_model {
     if (tok_) return tok_->encode(paragraph, true, false);
     return encode(std::string(paragraph) + "\n\n");
   }
-  /// A one-turn chat prompt for `user_message`: a GGUF model's chat template with
-  /// `system_message` (the one its template adds when none is given, if empty: see
-  /// `default_system_message`), the assistant's turn opened; a llama2.c model, which has no
-  /// chat, gets the message as a text (`encode`).
-  std::vector<int> chat(std::string_view user_message, std::string_view system_message = default_system_message) const {
+  /// A one-turn chat prompt for `user_message`: a GGUF model's chat template with the system
+  /// message the template writes when none is given (`ggml_bridge::vocab::chat_prompt`), the
+  /// assistant's turn opened; a llama2.c model, which has no chat, gets the message as a text
+  /// (`encode`).
+  std::vector<int> chat(std::string_view user_message) const {
 #if TRIATTN_WITH_GGUF
-    if (vocab_) return vocab_->tokenize(vocab_->chat_prompt(user_message, system_message), true, true);
+    if (vocab_) return vocab_->tokenize(vocab_->chat_prompt(user_message), true, true);
 #endif
-    (void)system_message;
     return encode(user_message);
   }
-  /// SmolLM2's chat template puts this system message first when none is given; llama.cpp's
-  /// built-in form of the template does not, so `chat` passes it explicitly.
-  static constexpr std::string_view default_system_message =
-      "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
 
   /// Per token id, 1 unless the id ends a generation (a GGUF model's end-of-turn and
   /// end-of-text ids), so that a sampler given it writes on (vLLM's `ignore_eos`). A llama2.c

@@ -154,7 +154,7 @@ int run(const options& o) {
   const ggml_bridge::vocab vocab(o.model);
   const triattn_runner::config& c = m.config();
   const std::vector<int> prompt =
-      vocab.tokenize(vocab.chat_prompt(o.question, triattn_runner::text_model::default_system_message), /*add_special=*/true, /*parse_special=*/true);
+      vocab.tokenize(vocab.chat_prompt(o.question), /*add_special=*/true, /*parse_special=*/true);
   std::optional<triattn::query_stats> stats;
   if (!o.stats.empty()) stats = triattn::load_stats(o.stats);
   const triattn::schedule sched = triattn::schedule::with_slack(o.slack);

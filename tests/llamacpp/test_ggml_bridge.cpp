@@ -179,6 +179,11 @@ TEST_CASE("vocab tokenizes, renders pieces and applies the chat template", "[lla
   CHECK_THROWS_WITH(v.piece(49152), Contains("49152"));
 
   const std::string prompt = v.chat_prompt("Hi");
+  // With no system message given, the template's own comes first (llama.cpp's built-in form
+  // of the template would leave it out).
+  CHECK(v.default_system_message() == "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
+  CHECK(prompt.starts_with("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                           "Face<|im_end|>\n"));
   CHECK_THAT(prompt, Contains("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"));
   CHECK(prompt.ends_with("<|im_start|>assistant\n"));
   CHECK_THAT(v.chat_prompt("Hi", "Be brief."),
