@@ -16,6 +16,13 @@
 ///
 /// So every build gives bit-identical dots: x86-64's baseline (SSE2), x86-64-v3, AVX-512,
 /// AArch64 and the GPU's `fmaf`. tests/determinism compares the builds.
+///
+/// A build for x86-64's baseline (the default: no -march) still runs `fixed_order_dot` and
+/// `fixed_order_dot_block` on the FMA or AVX-512 units of the CPU it runs on, chosen once at
+/// run time (`TRIATTN_DOT_DISPATCH`; define TRIATTN_DOT_NO_DISPATCH to keep the emulation):
+/// the instruction and the emulation round alike, so the floats stay the same, and the
+/// emulation, about 20x slower, made an O(n²) score such as R-KV's redundancy the bulk of an
+/// evaluation. Code compiled by nvcc keeps the emulation on the host.
 #pragma once
 
 #include <math.h>  // fmaf in device code
@@ -24,8 +31,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+#if !defined(__CUDA_ARCH__) && defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__) && \
+    !defined(__FMA__) && !defined(__AVX512F__) && !defined(TRIATTN_DOT_NO_DISPATCH)
+#define TRIATTN_DOT_DISPATCH 1
+#endif
+#if !defined(__CUDA_ARCH__) && (defined(__AVX512F__) || defined(TRIATTN_DOT_DISPATCH))
 #include <immintrin.h>
+#define TRIATTN_DOT_AVX512 1
 #endif
 
 #include "triattn/core/config.hpp"
@@ -64,52 +76,87 @@ TRIATTN_HOST_DEVICE float multiply_add(float a, float b, float c) {
 #endif
 }
 
-/// Σ_i a_i b_i over 16 partial sums in a fixed order (see the file comment): partial k takes
-/// elements i ≡ k (mod 16), then partial k += partial k + 8, + 4, + 2, + 1.
-TRIATTN_HOST_DEVICE float fixed_order_dot(const float* a, const float* b, int n) {
+namespace detail {
+
+/// `fixed_order_dot` with the fused multiply-add `fma`.
+template <class Fma>
+TRIATTN_HOST_DEVICE float fixed_order_dot_with(const float* a, const float* b, int n, Fma fma) {
   constexpr int lanes = 16;
   float part[lanes] = {};
   int i = 0;
   for (; i + lanes <= n; i += lanes)
-    for (int k = 0; k < lanes; ++k) part[k] = multiply_add(a[i + k], b[i + k], part[k]);
-  for (int k = 0; i + k < n; ++k) part[k] = multiply_add(a[i + k], b[i + k], part[k]);
+    for (int k = 0; k < lanes; ++k) part[k] = fma(a[i + k], b[i + k], part[k]);
+  for (int k = 0; i + k < n; ++k) part[k] = fma(a[i + k], b[i + k], part[k]);
   for (int width = lanes / 2; width >= 1; width /= 2)
     for (int k = 0; k < width; ++k) part[k] += part[k + width];
   return part[0];
 }
 
+#ifdef TRIATTN_DOT_DISPATCH
+#define TRIATTN_DOT_TARGET_AVX512 __attribute__((target("avx512f")))
+/// Whether the CPU running this has FMA3 / AVX-512F (asked once).
+inline bool cpu_has_fma() {
+  static const bool yes = __builtin_cpu_supports("fma");
+  return yes;
+}
+inline bool cpu_has_avx512f() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+/// `fixed_order_dot` on the FMA instruction (the same floats as the emulation).
+__attribute__((target("fma"))) inline float fixed_order_dot_fma(const float* a, const float* b, int n) {
+  return fixed_order_dot_with(a, b, n, [](float x, float y, float z) { return __builtin_fmaf(x, y, z); });
+}
+#else
+#define TRIATTN_DOT_TARGET_AVX512
+#endif
+
+}  // namespace detail
+
+/// Σ_i a_i b_i over 16 partial sums in a fixed order (see the file comment): partial k takes
+/// elements i ≡ k (mod 16), then partial k += partial k + 8, + 4, + 2, + 1.
+TRIATTN_HOST_DEVICE float fixed_order_dot(const float* a, const float* b, int n) {
+#ifdef TRIATTN_DOT_DISPATCH
+  if (detail::cpu_has_fma()) return detail::fixed_order_dot_fma(a, b, n);
+#endif
+  return detail::fixed_order_dot_with(a, b, n, [](float x, float y, float z) { return multiply_add(x, y, z); });
+}
+
 namespace detail {
-#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+#ifdef TRIATTN_DOT_AVX512
 /// The 16 partial sums of each of 4 accumulators reduced by `fixed_order_dot`'s tree (lane
 /// j += lane j + 8, then j + 4, j + 2, j + 1), the four at once, into `out` [4]. Two-source
 /// permutes only: GCC 12 warns (-Wuninitialized) on the intrinsics with an undefined operand.
-inline void dot_reduce4x16(const __m512 (&acc)[4], float* out) {
-  const auto idx = [](int a, int b, int c, int d, int e, int f, int g, int h, int i, int j, int k, int l, int m, int n,
-                      int o, int p) { return _mm512_setr_epi32(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p); };
-  const __m512i lo8 = idx(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi8 = idx(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+TRIATTN_DOT_TARGET_AVX512 inline void dot_reduce4x16(const __m512 (&acc)[4], float* out) {
+  const __m512i lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   // [a + a >> 8 | b + b >> 8], [c ... | d ...]: 8 lanes per accumulator
   const __m512 ab = _mm512_add_ps(_mm512_permutex2var_ps(acc[0], lo8, acc[1]), _mm512_permutex2var_ps(acc[0], hi8, acc[1]));
   const __m512 cd = _mm512_add_ps(_mm512_permutex2var_ps(acc[2], lo8, acc[3]), _mm512_permutex2var_ps(acc[2], hi8, acc[3]));
   // 4 lanes per accumulator: lane j + lane j + 4
-  const __m512i lo4 = idx(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi4 = idx(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i lo4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi4 = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   const __m512 w4 = _mm512_add_ps(_mm512_permutex2var_ps(ab, lo4, cd), _mm512_permutex2var_ps(ab, hi4, cd));
   // lane j + lane j + 2, then lane 0 + lane 1, in each accumulator's group of 4
-  const __m512i up2 = idx(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
+  const __m512i up2 = _mm512_setr_epi32(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   const __m512 w2 = _mm512_add_ps(w4, _mm512_permutex2var_ps(w4, up2, w4));
-  const __m512i up1 = idx(1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13);
+  const __m512i up1 = _mm512_setr_epi32(1, 1, 1, 1, 5, 5, 5, 5, 9, 9, 9, 9, 13, 13, 13, 13);
   const __m512 w1 = _mm512_add_ps(w2, _mm512_permutex2var_ps(w2, up1, w2));
   // lanes 0, 4, 8, 12: the four sums. Compressed in a register, then stored: a compressing
-  // store to memory is microcoded on AMD Zen 4 (tens of cycles).
-  _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, w1)));
+  // store to memory is microcoded on AMD Zen 4 (tens of cycles). Stored whole, not through
+  // _mm512_castps512_ps128, which GCC 12 expands with an undefined operand (-Wuninitialized)
+  // where AVX-512 comes from the target attribute alone.
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, _mm512_maskz_compress_ps(0x1111, w1));
+  for (int k = 0; k < 4; ++k) out[k] = lanes[k];
 }
 
 /// 4 columns x `Rows` rows in registers: each column load serves every row, each row load
 /// every column (16 + 4 + 1 of the 32 zmm registers at 4 rows). n % 16 == 0.
 template <int Rows>
-inline void dot_block_avx512(const float* a, std::ptrdiff_t a_stride, const float* b, std::ptrdiff_t b_stride, int n,
-                             float* out, std::ptrdiff_t out_stride) {
+TRIATTN_DOT_TARGET_AVX512 inline void dot_block_avx512(const float* a, std::ptrdiff_t a_stride, const float* b,
+                                                       std::ptrdiff_t b_stride, int n, float* out,
+                                                       std::ptrdiff_t out_stride) {
   __m512 acc[4][Rows];
   for (int k = 0; k < 4; ++k)
     for (int g = 0; g < Rows; ++g) acc[k][g] = _mm512_setzero_ps();
@@ -136,8 +183,12 @@ TRIATTN_HOST_DEVICE void fixed_order_dot_block(const float* a, std::ptrdiff_t a_
                                                std::ptrdiff_t b_stride, std::int64_t cols, int n, float* out,
                                                std::ptrdiff_t out_stride) {
   std::int64_t c0 = 0;
-#if !defined(__CUDA_ARCH__) && defined(__AVX512F__)
+#ifdef TRIATTN_DOT_AVX512
+#ifdef TRIATTN_DOT_DISPATCH
+  if (n % 16 == 0 && detail::cpu_has_avx512f())
+#else
   if (n % 16 == 0)
+#endif
     for (; c0 + 4 <= cols; c0 += 4)
       for (int r0 = 0; r0 < rows; r0 += 4) {
         const float* ar = a + r0 * a_stride;
