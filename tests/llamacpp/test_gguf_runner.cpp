@@ -109,6 +109,15 @@ void check_teacher_forced_parity(const triattn_runner::model& m, const std::file
   CHECK(mean_kl <= 0.02);
 }
 
+// Every matrix of every layer, and the token embedding, of `m` are held in their block format.
+void check_all_blocks(const triattn_runner::model& m) {
+  using triattn_runner::tensor;
+  for (const tensor t : {tensor::token_embedding, tensor::wq, tensor::wk, tensor::wv, tensor::wo, tensor::w1, tensor::w2,
+                         tensor::w3, tensor::wcls})
+    for (int l = 0; l < (t == tensor::token_embedding || t == tensor::wcls ? 1 : m.config().n_layers); ++l)
+      CHECK(m.blocks(t, l) != nullptr);
+}
+
 TEST_CASE("teacher-forced, the runner agrees with llama.cpp on 1,024 tokens", "[gguf][parity]") {
   check_teacher_forced_parity(smollm2(), gguf_path, triattn::dtype::f32);
 }
@@ -117,11 +126,8 @@ TEST_CASE("SmolLM2 with its matrices in their blocks (ggml's kernels) agrees wit
   // The block path CI runs (it has no Qwen): SmolLM2's Q4_1 / Q8_0 matrices through ggml's
   // vec_dot instead of the runner's f32 products.
   const triattn_runner::model m = gguf_model::load(gguf_path, gguf_model::matrix_storage::blocks);
-  using triattn_runner::tensor;
-  for (const tensor t : {tensor::token_embedding, tensor::wq, tensor::wk, tensor::wv, tensor::wo, tensor::w1,
-                         tensor::w2, tensor::w3, tensor::wcls})
-    CHECK(m.blocks(t, 0) != nullptr);
-  CHECK(m.weights(tensor::rms_att, 0).size() == 576);
+  check_all_blocks(m);
+  CHECK(m.weights(triattn_runner::tensor::rms_att, 0).size() == 576);
   // 96.88 % and KL 0.00283 (the f32 path: 97.07 %, 0.00235): SmolLM2's logits hold many near-ties,
   // which an input quantised to 8 bits moves; KL is the bound that says the products are right.
   check_teacher_forced_parity(m, gguf_path, triattn::dtype::f32, 0.96);
@@ -146,11 +152,8 @@ TEST_CASE("Qwen2.5-Coder-1.5B: the config from its metadata, its matrices in the
   CHECK(c.rope.theta == 1e6);
   CHECK(c.rope.style == triattn::rope_style::half);
   // Over 2 GiB as f32: every matrix and the embedding stay in their blocks (automatic storage).
+  check_all_blocks(m);
   using triattn_runner::tensor;
-  for (const tensor t : {tensor::token_embedding, tensor::wq, tensor::wk, tensor::wv, tensor::wo, tensor::w1, tensor::w2,
-                         tensor::w3, tensor::wcls})
-    for (int l = 0; l < (t == tensor::token_embedding || t == tensor::wcls ? 1 : c.n_layers); ++l)
-      CHECK(m.blocks(t, l) != nullptr);
   CHECK(m.weights(tensor::bq, 0).size() == 1536);
   CHECK(m.weights(tensor::bk, 27).size() == 256);
   // The template's own system message comes first when the chat has none.

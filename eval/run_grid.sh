@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct quality in one command (the SmolLM2 quality issues): calibration on the
-# model's own answers, the R distribution, the tuning of TriAttention's extensions on the
-# development prompts, decode-time compression of long answers on the test prompts under each
-# policy's own protection and under one protocol for every policy, and retrieval of needles in
-# the model's own prose after a compressed prefill; CSV, markdown and PNG plots.
+# A real model's quality in one command (the quality issues): calibration on the model's own
+# answers, the R distribution, the tuning of TriAttention's extensions on the development
+# prompts, decode-time compression of long answers on the test prompts under each policy's own
+# protection and under one protocol for every policy, and retrieval of needles in the model's
+# own prose after a compressed prefill; CSV, markdown and PNG plots.
 #
-#   eval/run_smollm2.sh [OUT_DIR] [--quick] [--stages LIST]
+#   eval/run_grid.sh [--model smollm2|qwen-coder] [OUT_DIR] [--quick] [--stages LIST]
 #
-# OUT_DIR (default build/smollm2): stats.safetensors, inspect.txt, dev/, tuned.txt, test_own/,
+# --model: smollm2 (SmolLM2-135M-Instruct, the default: the build fetches it) or qwen-coder
+# (Qwen2.5-Coder-1.5B-Instruct from scripts/fetch_qwen_coder.sh, on a smaller grid: see Sizes).
+# OUT_DIR (default build/MODEL): stats.safetensors, inspect.txt, dev/, tuned.txt, test_own/,
 # test_harmonised/, retrieval_full/, retrieval_end_own/, retrieval_end_harmonised/,
 # retrieval_chunks/, long.png, summary.md, run.log. Nothing is read from eval/results: the
-# committed copy in eval/results/smollm2/ is this directory's output.
+# committed copy in eval/results/MODEL/ is this directory's output.
 # --quick: the same pipeline on short answers and contexts, for CI (under 3 minutes).
 # --stages 1,2,3: only those stages (1 calibration, 2 tuning, 3 regime 1 with each policy's own
 # protection, 4 regime 1 under the harmonised protocol, 5 retrieval with the full cache, 6
@@ -21,23 +23,27 @@
 # tuning step reads), test.txt (the reported figures; read once, after tuning), haystack.txt
 # (what the model writes the retrieval haystacks from; never scored).
 # Environment: BUILD_DIR (default build/default, the `default` preset, which has llama.cpp),
-# SMOLLM2_GGUF (default: the configured or fetched model), THREADS (default nproc).
+# SMOLLM2_GGUF / QWEN_GGUF (default: the configured or fetched model), THREADS (default nproc).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-out=$root/build/smollm2
+out=""
 quick=0
 stages=1,2,3,4,5,6,7
+name=smollm2
 while (($#)); do
   case $1 in
     --quick) quick=1 ;;
-    --stages) [[ $# -ge 2 ]] || { echo "run_smollm2.sh: --stages needs a list" >&2; exit 2; }; stages=$2; shift ;;
-    -*) echo "run_smollm2.sh: unknown option $1" >&2; exit 2 ;;
+    --model) [[ $# -ge 2 ]] || { echo "run_grid.sh: --model needs a name" >&2; exit 2; }; name=$2; shift ;;
+    --stages) [[ $# -ge 2 ]] || { echo "run_grid.sh: --stages needs a list" >&2; exit 2; }; stages=$2; shift ;;
+    -*) echo "run_grid.sh: unknown option $1" >&2; exit 2 ;;
     *) out=$1 ;;
   esac
   shift
 done
-[[ $stages =~ ^[1-7](,[1-7])*$ ]] || { echo "run_smollm2.sh: --stages '$stages' is not a list of 1 to 7" >&2; exit 2; }
+[[ $name == smollm2 || $name == qwen-coder ]] || { echo "run_grid.sh: --model '$name' is not smollm2 or qwen-coder" >&2; exit 2; }
+[[ $stages =~ ^[1-7](,[1-7])*$ ]] || { echo "run_grid.sh: --stages '$stages' is not a list of 1 to 7" >&2; exit 2; }
+out=${out:-$root/build/$name}
 stage() { [[ ,$stages, == *,$1,* ]]; }
 build=${BUILD_DIR:-$root/build/default}
 threads=${THREADS:-$(nproc)}
@@ -56,7 +62,14 @@ mkdir -p "$out"
 [[ $stages == 1,2,3,4,5,6,7 ]] && : > "$out/run.log"
 exec > >(tee -a "$out/run.log") 2>&1
 
-source "$root/eval/smollm2_model.sh"
+if [[ $name == smollm2 ]]; then
+  source "$root/eval/smollm2_model.sh"
+  title=SmolLM2-135M-Instruct
+else
+  model=${QWEN_GGUF:-}
+  [[ -n $model && -f $model ]] || model=$(bash "$root/scripts/fetch_qwen_coder.sh" | sed -n 's/^model=//p')
+  title=Qwen2.5-Coder-1.5B-Instruct
+fi
 echo "== model $model"
 
 if [[ ! -f $build/CMakeCache.txt ]]; then
@@ -67,22 +80,29 @@ cmake --build "$build" --target triattn_cli triattn_eval_cli -j "$(nproc)"
 triattn=$build/bin/triattn
 triattn_eval=$build/bin/triattn_eval
 
-# Sizes. The full grid: 1,024-token calibration answers; 1,024-token test answers on the 18 test
+# Sizes. SmolLM2's grid: 1,024-token calibration answers; 1,024-token test answers on the 18 test
 # prompts at budgets 128, 256 and 512; retrieval of needles in the model's own prose at 2K and 4K
 # tokens (10 depths), first with the full cache, then at every (family, context) where the full
-# cache scores at least 80 %, at 10 % and 25 % of the context. --quick keeps every stage and
+# cache scores at least 80 %, at 10 % and 25 % of the context. Qwen2.5-Coder-1.5B (11x SmolLM2's
+# products per token) gets the smaller grid the quality issue allows: 512-token calibration
+# answers, no tuning (the paper's TriAttention only), the first 8 test prompts with 1,536-token
+# answers at budgets 256 and 1,024, retrieval at 4K and 8K tokens. --quick keeps every stage and
 # shrinks each, for CI.
 if (( quick )); then
   answer=32 tokens=96 budgets=64 dev_budgets=64 contexts=256 depths=0.5 fractions=0.25 trials=1 chunk_trials=1 min_samples=1
-  haystack_tokens=96 chunk_contexts=256
+  haystack_tokens=96 chunk_contexts=256 first=1
   candidates="triattention_vp0.2 triattention_red1 triattention_ema0.5"
-  take() { grep -v '^#' "$1" | grep . | head -n 1; }
-else
+elif [[ $name == smollm2 ]]; then
   answer=1024 tokens=1024 budgets=128,256,512 dev_budgets=128 contexts=2048,4096 depths=0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95
-  fractions=0.1,0.25 trials=1 chunk_trials=3 min_samples=30 haystack_tokens=1024 chunk_contexts=2048
+  fractions=0.1,0.25 trials=1 chunk_trials=3 min_samples=30 haystack_tokens=1024 chunk_contexts=2048 first=0
   candidates="triattention_vp0.05 triattention_vp0.2 triattention_red0.3 triattention_red1 triattention_ema0.5 triattention_ema0.9"
-  take() { grep -v '^#' "$1" | grep .; }
+else
+  answer=512 tokens=1536 budgets=256,1024 dev_budgets=256 contexts=4096,8192 depths=0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95
+  fractions=0.1,0.25 trials=1 chunk_trials=3 min_samples=30 haystack_tokens=1024 chunk_contexts=4096 first=8
+  candidates=""
 fi
+# The prompts of a file (blank and '#' lines skipped), only the first $first when it is not 0.
+take() { grep -v '^#' "$1" | grep . | if ((first)); then head -n "$first"; else cat; fi; }
 slack=64
 # The verdict's setting: every policy keeps the first 4 and the last 16 slots on top of its own
 # rule, and nothing protects the prompt (triattn_eval --protocol).
@@ -93,7 +113,7 @@ take "$prompts/calibration.txt" > "$out/calibration_prompts.txt"
 take "$prompts/dev.txt" > "$out/dev_prompts.txt"
 
 if stage 1; then
-  echo "== 1. calibrate on SmolLM2's own answers ($answer+ tokens each)"
+  echo "== 1. calibrate on $title's own answers ($answer+ tokens each)"
   "$triattn" calibrate --model "$model" --prompts "$out/calibration_prompts.txt" --answer-tokens "$answer" \
     --out "$out/stats.safetensors"
   "$triattn" inspect "$out/stats.safetensors" > "$out/inspect.txt"
@@ -101,7 +121,11 @@ if stage 1; then
   stage_done "1. calibration"
 fi
 
-if stage 2; then
+if stage 2 && [[ -z $candidates ]]; then
+  echo "== 2. no tuning for $title: the paper's TriAttention only"
+  : > "$out/tuned.txt"
+  stage_done "2. tuning (dev): none"
+elif stage 2; then
   echo "== 2. tune the extensions on the development prompts"
   "$triattn_eval" long --model "$model" --prompts "$out/dev_prompts.txt" --stats "$out/stats.safetensors" \
     --policies "triattention,${candidates// /,}" --budgets "$dev_budgets" --tokens "$tokens" --slack "$slack" \
@@ -144,7 +168,7 @@ retrieval() {  # retrieval OUT FAMILY CONTEXTS TRIALS [ARGS...]
     --answer-tokens 12 --threads "$threads" --out "$dir" "$@"
 }
 if stage 5; then
-  echo "== 5. retrieval with the full cache: which (family, context) SmolLM2 can do"
+  echo "== 5. retrieval with the full cache: which (family, context) $title can do"
   for f in $families; do retrieval "$out/retrieval_full/$f" "$f" "$contexts" "$trials" --policies full; done
   stage_done "5. retrieval, full cache"
 fi
@@ -194,7 +218,7 @@ elif ! command -v gnuplot >/dev/null 2>&1; then
 fi
 if command -v gnuplot >/dev/null 2>&1; then
   for p in own harmonised; do
-    [[ -f $out/test_$p/long.csv ]] && gnuplot -e "csv='$out/test_$p/long.csv'; out='$out/long_$p.png'; model='SmolLM2-135M-Instruct ($tokens-token answers)'; kl_column=3; title_note=' (D = $slack, protection: $p)'" \
+    [[ -f $out/test_$p/long.csv ]] && gnuplot -e "csv='$out/test_$p/long.csv'; out='$out/long_$p.png'; model='$title ($tokens-token answers)'; kl_column=3; title_note=' (D = $slack, protection: $p)'" \
       "$root/eval/plot_quality.gp"
   done
 fi
@@ -231,7 +255,7 @@ paired() {  # paired LONG_PROMPTS_CSV
 
 end=$(date +%s)
 {
-  echo "# SmolLM2-135M-Instruct quality (eval/run_smollm2.sh$( ((quick)) && echo ' --quick')$( [[ $stages != 1,2,3,4,5,6,7 ]] && echo " --stages $stages"))"
+  echo "# $title quality (eval/run_grid.sh --model $name$( ((quick)) && echo ' --quick')$( [[ $stages != 1,2,3,4,5,6,7 ]] && echo " --stages $stages"))"
   echo
   echo "Wall time: $((end - start)) s on $(nproc) cores ($threads threads)."
   echo
