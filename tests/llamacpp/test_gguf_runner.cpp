@@ -178,7 +178,6 @@ TEST_CASE("greedy chat answers: where the runner and llama.cpp first diverge, an
   const ggml_bridge::vocab vocab(gguf_path);
   const std::vector<int> prompt = vocab.tokenize(
       vocab.chat_prompt("Explain step by step why the sky is blue."), true, true);
-  CHECK(vocab.default_system_message() == "You are a helpful AI assistant named SmolLM, trained by Hugging Face");
   constexpr int answer_tokens = 192;
   const triattn_runner::model& m = smollm2();
   triattn_runner::session s(m, static_cast<std::int64_t>(prompt.size()) + answer_tokens);
