@@ -476,10 +476,11 @@ inline int run_long(int argc, char** argv) {
 
 struct passkey_options {
   fs::path model, out;
-  std::optional<std::string> stats, haystack_prompts;
+  std::optional<std::string> stats, haystack_prompts, haystack;
   std::string policies, fractions = "0.1,0.25,0.5", contexts = "1024,2048,4096", depths = "0.1,0.3,0.5,0.7,0.9";
   std::string families = "passkey";
   int trials = 1, chunk = 128, answer_tokens = 8, threads = 0, haystack_tokens = 1024;
+  std::int64_t max_cache_mib = 8192;  ///< --max-cache-mib: the cache one batch of samples may hold
   std::uint64_t seed = 1;
   prefill_rounds at = prefill_rounds::chunks;
   std::optional<triattn::round_protocol> protocol;  ///< --protocol (unset: each policy's own)
@@ -531,6 +532,20 @@ inline std::vector<std::string> sentences_of(std::string_view text) {
   return out;
 }
 
+/// The haystack of the sentences of `text` (`sentences_of`); `source` names it in the error
+/// when it holds fewer than 8.
+inline haystack make_haystack(const triattn_runner::text_model& tm, std::string_view text, const std::string& source) {
+  haystack h;
+  const auto start = static_cast<std::int64_t>(tm.encode("").size());
+  for (std::string& sentence : sentences_of(text)) {
+    h.tokens.push_back(static_cast<std::int64_t>(tm.encode(sentence).size()) - start);
+    h.sentences.push_back(std::move(sentence));
+  }
+  TRIATTN_CHECK(h.sentences.size() >= 8, "triattn_eval retrieval", source, " holds ", h.sentences.size(),
+                " usable sentences (8 at least: sentences with a letter and no digit)");
+  return h;
+}
+
 /// The haystack: the model's answers to `prompts` (its chat template), `tokens` tokens each,
 /// sampled at temperature 0.7 with the long-answer repetition penalty from `seed` (prompt i
 /// draws from window_rng(seed, i)), end-of-turn tokens excluded; all in one batch.
@@ -574,16 +589,9 @@ inline haystack write_haystack(const triattn_runner::text_model& tm, const std::
       x.answer.push_back(next);
     }
   }
-  haystack h;
-  const auto start = static_cast<std::int64_t>(tm.encode("").size());
-  for (const writer& x : w)
-    for (std::string& sentence : sentences_of(tm.decode(x.answer))) {
-      h.tokens.push_back(static_cast<std::int64_t>(tm.encode(sentence).size()) - start);
-      h.sentences.push_back(std::move(sentence));
-    }
-  TRIATTN_CHECK(h.sentences.size() >= 8, "triattn_eval passkey", "the haystack holds ", h.sentences.size(),
-                " usable sentences; give more --haystack-prompts or --haystack-tokens");
-  return h;
+  std::string text;
+  for (const writer& x : w) text += tm.decode(x.answer) + "\n";
+  return make_haystack(tm, text, "triattn_eval: the written haystack");
 }
 
 /// Sets the prefill of `s` to the tokens of `context` and its question to those of `question`,
@@ -735,6 +743,22 @@ struct passkey_answer {
   bool correct = false;
 };
 
+/// Cache slots a sample's full cache needs: the prompt and the answer.
+inline std::int64_t sample_length(const passkey_sample& s, const passkey_options& o) {
+  return static_cast<std::int64_t>(s.prefill.size() + s.question.size()) + o.answer_tokens;
+}
+/// The budget of a row at `fraction` of the sample's context.
+inline std::int64_t row_budget(const passkey_sample& s, double fraction) {
+  return std::max<std::int64_t>(1, std::llround(fraction * static_cast<double>(s.context)));
+}
+/// Cache slots a row needs: it leaves the trunk holding at most a chunk past its budget, or the
+/// whole prefill (`--compress-at end`), then adds the question and the answer.
+inline std::int64_t row_capacity(const passkey_sample& s, std::int64_t budget, const passkey_options& o) {
+  const std::int64_t length = sample_length(s, o);
+  const std::int64_t cut_at = o.at == prefill_rounds::end ? length : budget + o.chunk;
+  return std::min(length, cut_at + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens);
+}
+
 /// The samples `samples` (one context length), each with the full cache and every row (row j:
 /// policy j / fractions, fraction j % fractions), all in one batch on `decoder`'s threads.
 /// Returns the answers [sample][1 + rows], the full cache's first. A row rides its sample's
@@ -760,19 +784,16 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const triatt
   for (std::size_t i = 0; i < S; ++i) {
     const passkey_sample& s = samples[i];
     const std::size_t prompt = s.prefill.size() + s.question.size();
-    const auto length = static_cast<std::int64_t>(prompt) + o.answer_tokens;
-    sample_state& x = st.emplace_back(m, length);
+    sample_state& x = st.emplace_back(m, sample_length(s, o));
     x.full.set_observer(&x.trunk);
     x.prompt = prompt;
     x.steps = prompt + static_cast<std::size_t>(o.answer_tokens) - 1;
     x.answers.resize(1 + rows);
     for (std::size_t j = 0; j < rows; ++j) {
-      const std::int64_t budget = std::max<std::int64_t>(1, std::llround(fractions[j % F] * static_cast<double>(s.context)));
-      // A row leaves the trunk holding at most a chunk past its budget, or the whole prefill.
-      const std::int64_t cut_at = o.at == prefill_rounds::end ? length : budget + o.chunk;
-      x.trunk.ride(x.seqs.emplace_back(
-          m, std::min(length, cut_at + static_cast<std::int64_t>(s.question.size()) + o.answer_tokens),
-          ps.make(j / F, row_seed(j, first_index + i), triattn::schedule::every_step()), budget));
+      const std::int64_t budget = row_budget(s, fractions[j % F]);
+      x.trunk.ride(x.seqs.emplace_back(m, row_capacity(s, budget, o),
+                                       ps.make(j / F, row_seed(j, first_index + i), triattn::schedule::every_step()),
+                                       budget));
     }
   }
   std::size_t steps = 0;
@@ -847,14 +868,15 @@ inline std::vector<std::vector<passkey_answer>> run_passkey_context(const triatt
 /// `passkey --model M --policies LIST --out DIR [--stats S] [--fractions 0.1,0.25,0.5]
 /// [--contexts 1024,2048,4096] [--depths 0.1,...] [--trials 1] [--chunk 128] [--answer-tokens 8]
 /// [--seed 1] [--threads T] [--protocol P] [--compress-at chunks|end] [--families passkey,...]
-/// [--haystack-prompts FILE] [--haystack-tokens 1024]`; `retrieval` is the same command with
-/// the needle families by default.
+/// [--haystack-prompts FILE [--haystack-tokens 1024] | --haystack FILE] [--max-cache-mib 8192]`;
+/// `retrieval` is the same command with the needle families by default.
 inline int run_passkey(int argc, char** argv) {
   const bool retrieval = std::string_view(argv[1]) == "retrieval";
   const auto a = subcommand_options(argc, argv,
                                     {"--model", "--stats", "--out", "--policies", "--fractions", "--contexts", "--depths",
                                      "--trials", "--chunk", "--answer-tokens", "--seed", "--threads", "--protocol",
-                                     "--compress-at", "--families", "--haystack-prompts", "--haystack-tokens"});
+                                     "--compress-at", "--families", "--haystack-prompts", "--haystack-tokens", "--haystack",
+                                     "--max-cache-mib"});
   const char* api = retrieval ? "triattn_eval retrieval" : "triattn_eval passkey";
   passkey_options o;
   if (retrieval) o.families = "single,multikey,paraphrase";
@@ -867,6 +889,8 @@ inline int run_passkey(int argc, char** argv) {
   if (a.contains("--depths")) o.depths = a.at("--depths");
   if (a.contains("--families")) o.families = a.at("--families");
   if (a.contains("--haystack-prompts")) o.haystack_prompts = a.at("--haystack-prompts");
+  if (a.contains("--haystack")) o.haystack = a.at("--haystack");
+  if (a.contains("--max-cache-mib")) o.max_cache_mib = parse_int("--max-cache-mib", a.at("--max-cache-mib"), 1);
   if (a.contains("--haystack-tokens"))
     o.haystack_tokens = static_cast<int>(parse_int("--haystack-tokens", a.at("--haystack-tokens"), 16));
   if (a.contains("--trials")) o.trials = static_cast<int>(parse_int("--trials", a.at("--trials"), 1));
@@ -890,23 +914,29 @@ inline int run_passkey(int argc, char** argv) {
       throw usage_error{"option --families: unknown family '" + f + "' (known: passkey, single, multikey, paraphrase)"};
     needs_haystack |= f != "passkey";
   }
-  if (needs_haystack && !o.haystack_prompts)
-    throw usage_error{std::string(api) + ": the needle families need --haystack-prompts (prompts the model writes the haystack from)"};
+  if (o.haystack && o.haystack_prompts)
+    throw usage_error{std::string(api) + ": give --haystack (a written haystack) or --haystack-prompts, not both"};
+  if (needs_haystack && !o.haystack && !o.haystack_prompts)
+    throw usage_error{std::string(api) + ": the needle families need --haystack-prompts (prompts the model writes the "
+                      "haystack from) or --haystack (the haystack.txt of an earlier run)"};
 
   const policy_set ps(o.policies, o.stats, o.protocol);
   const triattn_runner::text_model tm = triattn_runner::text_model::load(o.model, "", api);
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   triattn_runner::batch_decoder decoder(tm.model(), threads);
   haystack hay;
-  if (needs_haystack) {
+  if (needs_haystack && o.haystack) {
+    // An earlier run's haystack.txt: its sentences, one a line, are that run's haystack again.
+    hay = make_haystack(tm, triattn_runner::read_file(*o.haystack, api), "--haystack '" + *o.haystack + "'");
+  } else if (needs_haystack) {
     std::fprintf(stderr, "%s: writing the haystack (%d tokens per prompt)\n", api, o.haystack_tokens);
     hay = write_haystack(tm, triattn_runner::read_prompts(*o.haystack_prompts, api), o.haystack_tokens, o.seed, decoder);
+  }
+  if (needs_haystack) {
     std::string text;
     for (const std::string& sentence : hay.sentences) text += sentence.substr(1) + "\n";
     write_file(o.out, "haystack.txt", text);
   }
-  // One batch a context length (its samples, each with the full cache and every row), the
-  // contexts in turn, each step's work split over the threads.
   std::vector<passkey_sample> all;
   for (const std::int64_t c : contexts)
     for (const std::string& f : families)
@@ -915,21 +945,37 @@ inline int run_passkey(int argc, char** argv) {
           all.push_back(f == "passkey" ? make_passkey(tm, c, d, t, o.seed) : make_needle_sample(tm, hay, f, c, d, t, o.seed));
   const std::size_t F = fractions.size(), S = all.size();
   const std::size_t per_context = families.size() * depths.size() * static_cast<std::size_t>(o.trials);
-  std::int64_t total = 0;
-  for (std::size_t c = 0; c < contexts.size(); ++c) {
-    std::size_t longest = 0;
-    for (std::size_t i = c * per_context; i < (c + 1) * per_context; ++i)
-      longest = std::max(longest, all[i].prefill.size() + all[i].question.size() + static_cast<std::size_t>(o.answer_tokens) - 1);
-    total += static_cast<std::int64_t>(longest * per_context);
+  // One batch a group of samples of one context (each sample with its full cache and every row),
+  // the groups in turn, each step's work split over the threads. A batch holds all its caches at
+  // once (a row of `--compress-at end` holds the whole prefill before its round: 30 samples of
+  // 2K tokens with 14 rows each would be 43 GB on SmolLM2), so a group holds at most
+  // `--max-cache-mib` of cache (one sample at least). A sequence computes the same bits in any
+  // batch, so the grouping changes no answer.
+  const std::int64_t group_bytes = o.max_cache_mib << 20;
+  const triattn_runner::config& cfg = tm.model().config();
+  const std::int64_t slot_bytes = std::int64_t{2} * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * std::int64_t{sizeof(float)};
+  std::vector<std::pair<std::size_t, std::size_t>> groups;  // [first, end) of `all`
+  std::int64_t total = 0;                                    // the progress bar's sample steps
+  for (std::size_t first = 0, end = 0; first < S; first = end) {
+    std::int64_t bytes = 0, longest = 0;
+    for (end = first; end < S && end / per_context == first / per_context; ++end) {
+      std::int64_t slots = sample_length(all[end], o);
+      for (const double f : fractions)
+        slots += row_capacity(all[end], row_budget(all[end], f), o) * static_cast<std::int64_t>(ps.policies.size());
+      if (end > first && bytes + slots * slot_bytes > group_bytes) break;
+      bytes += slots * slot_bytes;
+      longest = std::max(longest, sample_length(all[end], o) - 1);
+    }
+    groups.emplace_back(first, end);
+    total += longest * static_cast<std::int64_t>(end - first);
   }
-  std::fprintf(stderr, "%s: %zu samples, %zu rows x %zu fractions, rounds after %s, %d threads\n", api, S,
-               ps.policies.size(), F, o.at == prefill_rounds::end ? "the whole prefill" : ("chunks of " + std::to_string(o.chunk)).c_str(),
-               threads);
+  std::fprintf(stderr, "%s: %zu samples in %zu batches, %zu rows x %zu fractions, rounds after %s, %d threads\n", api, S,
+               groups.size(), ps.policies.size(), F,
+               o.at == prefill_rounds::end ? "the whole prefill" : ("chunks of " + std::to_string(o.chunk)).c_str(), threads);
   progress_bar bar(api, total);
   std::vector<std::vector<passkey_answer>> results;  // [sample][1 + row]
-  for (std::size_t c = 0; c < contexts.size(); ++c) {
-    auto part = run_passkey_context(tm, std::span(all).subspan(c * per_context, per_context), c * per_context, o, ps,
-                                    fractions, decoder, bar);
+  for (const auto& [first, end] : groups) {
+    auto part = run_passkey_context(tm, std::span(all).subspan(first, end - first), first, o, ps, fractions, decoder, bar);
     for (auto& r : part) results.push_back(std::move(r));
   }
   std::fputc('\n', stderr);

@@ -9,7 +9,7 @@
 #
 # --model: smollm2 (SmolLM2-135M-Instruct, the default: the build fetches it) or qwen-coder
 # (Qwen2.5-Coder-1.5B-Instruct from scripts/fetch_qwen_coder.sh, on a smaller grid: see Sizes).
-# OUT_DIR (default build/MODEL): stats.safetensors, inspect.txt, dev/, tuned.txt, test_own/,
+# OUT_DIR (default build/MODEL): stats.safetensors, inspect.txt, dev/, tuned.txt, test_own/, haystack.txt,
 # test_harmonised/, retrieval_full/, retrieval_end_own/, retrieval_end_harmonised/,
 # retrieval_chunks/, long.png, summary.md, run.log. Nothing is read from eval/results: the
 # committed copy in eval/results/MODEL/ is this directory's output.
@@ -160,15 +160,20 @@ if stage 4; then
   stage_done "4. regime 1, harmonised (test)"
 fi
 
+# The model writes the haystack once (the first retrieval run); the later runs read it back
+# (--haystack), which gives the same haystack without its minutes of decoding.
 retrieval() {  # retrieval OUT FAMILY CONTEXTS TRIALS [ARGS...]
-  local dir=$1 family=$2 ctx=$3 n=$4
+  local dir=$1 family=$2 ctx=$3 n=$4 hay
   shift 4
+  if [[ -f $out/haystack.txt ]]; then hay=(--haystack "$out/haystack.txt")
+  else hay=(--haystack-prompts "$prompts/haystack.txt" --haystack-tokens "$haystack_tokens"); fi
   "$triattn_eval" retrieval --model "$model" --stats "$out/stats.safetensors" --families "$family" --contexts "$ctx" \
-    --depths "$depths" --trials "$n" --haystack-prompts "$prompts/haystack.txt" --haystack-tokens "$haystack_tokens" \
-    --answer-tokens 12 --threads "$threads" --out "$dir" "$@"
+    --depths "$depths" --trials "$n" "${hay[@]}" --answer-tokens 12 --threads "$threads" --out "$dir" "$@"
+  [[ -f $out/haystack.txt ]] || cp "$dir/haystack.txt" "$out/haystack.txt"
 }
 if stage 5; then
   echo "== 5. retrieval with the full cache: which (family, context) $title can do"
+  rm -f "$out/haystack.txt"  # the first retrieval run writes it afresh
   for f in $families; do retrieval "$out/retrieval_full/$f" "$f" "$contexts" "$trials" --policies full; done
   stage_done "5. retrieval, full cache"
 fi
@@ -253,6 +258,39 @@ paired() {  # paired LONG_PROMPTS_CSV
     }' "$1"
 }
 
+# The same for retrieval: per fraction, the compressing policy with the highest accuracy is the
+# best; each policy's correct (0 or 1) minus the best's on the same sample (family, context,
+# depth, trial), the mean ± its standard error over the samples.
+paired_retrieval() {  # paired_retrieval PASSKEY_SAMPLES_CSV
+  awk -F, '
+    NR > 1 && $1 != "full" {
+      id = $9 SUBSEP $3 SUBSEP $4 SUBSEP $5
+      ok[$1, $2, id] = $7; hits[$1, $2] += $7; n[$1, $2]++; ids[$2, id] = 1
+      if (!($1 in seen)) { seen[$1] = 1; order[++np] = $1 }
+      if (!($2 in fseen)) { fseen[$2] = 1; fr[++nf] = $2 }
+    }
+    END {
+      for (j = 1; j <= nf; j++) {
+        f = fr[j]; best = ""
+        for (i = 1; i <= np; i++) if (best == "" || hits[order[i], f] > hits[best, f]) best = order[i]
+        b[j] = best
+      }
+      printf "| policy |"; for (j = 1; j <= nf; j++) printf " %s of the context (best: %s) |", fr[j], b[j]; printf "\n|---|"
+      for (j = 1; j <= nf; j++) printf "---:|"; printf "\n"
+      for (i = 1; i <= np; i++) {
+        v = order[i]; printf "| %s |", v
+        for (j = 1; j <= nf; j++) {
+          f = fr[j]; s = 0; ss = 0; m = 0
+          for (k in ids) { split(k, key, SUBSEP); if (key[1] != f) continue
+            id = key[2] SUBSEP key[3] SUBSEP key[4] SUBSEP key[5]; d = ok[v, f, id] - ok[b[j], f, id]; s += d; ss += d * d; m++ }
+          mean = s / m; se = m > 1 ? sqrt((ss - m * mean * mean) / (m - 1) / m) : 0
+          if (v == b[j]) printf " 0 (best) |"; else printf " %+.3f ± %.3f |", mean, se
+        }
+        printf "\n"
+      }
+    }' "$1"
+}
+
 end=$(date +%s)
 {
   echo "# $title quality (eval/run_grid.sh --model $name$( ((quick)) && echo ' --quick')$( [[ $stages != 1,2,3,4,5,6,7 ]] && echo " --stages $stages"))"
@@ -293,6 +331,11 @@ end=$(date +%s)
     echo "## ${d#"$out"/}"
     echo
     cat "$d/passkey.md"
+    [[ $d == */retrieval_full/* ]] && continue
+    echo
+    echo "### Paired differences against the best policy (accuracy, same samples; negative: fewer keys found)"
+    echo
+    paired_retrieval "$d/passkey_samples.csv"
   done
 } > "$out/summary.md"
 echo "== wrote $out/summary.md in $((end - start)) s"

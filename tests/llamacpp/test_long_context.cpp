@@ -496,6 +496,41 @@ TEST_CASE("triattn_eval retrieval: needles in the model's own prose, and one rou
   const auto acc = read_csv(dir.path() / "out" / "passkey.csv");
   CHECK(acc[0][7] == "family");
   CHECK(acc[1][8] == "end");
+
+  // The written haystack read back (--haystack), each sample in a batch of its own (a cache
+  // limit under one sample's): the same answers, byte for byte.
+  const fs::path written_haystack = dir.path() / "out" / "haystack.txt";
+  std::vector<std::string> again{"retrieval", "--model", gguf_path.string(), "--policies", "full,snapkv,h2o", "--contexts",
+                                 std::to_string(context), "--depths", "0.25,0.75", "--fractions", "0.4", "--compress-at",
+                                 "end", "--answer-tokens", std::to_string(answer_tokens), "--haystack",
+                                 written_haystack.string(), "--max-cache-mib", "1", "--threads", "1", "--out",
+                                 (dir.path() / "again").string()};
+  const cli::result rerun = cli::run_cli(dir, again);
+  INFO("stderr: " << rerun.err);
+  REQUIRE(rerun.code == 0);
+  CHECK(rerun.err.find("6 samples in 6 batches") != std::string::npos);
+  CHECK(run.err.find("6 samples in 1 batches") != std::string::npos);
+  for (const char* file : {"passkey_samples.csv", "passkey.csv", "haystack.txt"}) {
+    INFO(file);
+    CHECK(triattn_test::read_text(dir.path() / "again" / file) == triattn_test::read_text(dir.path() / "out" / file));
+  }
+  const auto refused = [&](std::vector<std::string> args, const std::vector<std::string>& needles) {
+    cli::check_one_line_error(cli::run_cli(dir, args), needles);
+  };
+  const std::vector<std::string> base{"retrieval", "--model", gguf_path.string(), "--policies", "full", "--out",
+                                      (dir.path() / "refused").string()};
+  const auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = base;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  refused(with({"--haystack", (dir.path() / "none.txt").string()}), {"none.txt"});
+  write_text(dir.path() / "short.txt", "One sentence.\nThe 2nd has a digit.\n");
+  refused(with({"--haystack", (dir.path() / "short.txt").string()}), {"short.txt", "holds 1 usable sentences"});
+  refused(with({"--haystack", written_haystack.string(), "--haystack-prompts", (dir.path() / "haystack.txt").string()}),
+          {"--haystack", "not both"});
+  refused(with({"--haystack", written_haystack.string(), "--max-cache-mib", "0"}), {"--max-cache-mib", "'0'"});
+  CHECK_FALSE(fs::exists(dir.path() / "refused"));
 }
 
 TEST_CASE("triattn_eval generate: a needle case through every policy, as an independent sequential computation",
