@@ -925,14 +925,14 @@ inline int run_passkey(int argc, char** argv) {
   const int threads = o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   triattn_runner::batch_decoder decoder(tm.model(), threads);
   haystack hay;
-  if (needs_haystack && o.haystack) {
-    // An earlier run's haystack.txt: its sentences, one a line, are that run's haystack again.
-    hay = make_haystack(tm, triattn_runner::read_file(*o.haystack, api), "--haystack '" + *o.haystack + "'");
-  } else if (needs_haystack) {
-    std::fprintf(stderr, "%s: writing the haystack (%d tokens per prompt)\n", api, o.haystack_tokens);
-    hay = write_haystack(tm, triattn_runner::read_prompts(*o.haystack_prompts, api), o.haystack_tokens, o.seed, decoder);
-  }
   if (needs_haystack) {
+    if (o.haystack) {
+      // An earlier run's haystack.txt: its sentences, one a line, are that run's haystack again.
+      hay = make_haystack(tm, triattn_runner::read_file(*o.haystack, api), "--haystack '" + *o.haystack + "'");
+    } else {
+      std::fprintf(stderr, "%s: writing the haystack (%d tokens per prompt)\n", api, o.haystack_tokens);
+      hay = write_haystack(tm, triattn_runner::read_prompts(*o.haystack_prompts, api), o.haystack_tokens, o.seed, decoder);
+    }
     std::string text;
     for (const std::string& sentence : hay.sentences) text += sentence.substr(1) + "\n";
     write_file(o.out, "haystack.txt", text);
@@ -959,12 +959,13 @@ inline int run_passkey(int argc, char** argv) {
   for (std::size_t first = 0, end = 0; first < S; first = end) {
     std::int64_t bytes = 0, longest = 0;
     for (end = first; end < S && end / per_context == first / per_context; ++end) {
-      std::int64_t slots = sample_length(all[end], o);
+      const std::int64_t length = sample_length(all[end], o);
+      std::int64_t slots = length;
       for (const double f : fractions)
         slots += row_capacity(all[end], row_budget(all[end], f), o) * static_cast<std::int64_t>(ps.policies.size());
       if (end > first && bytes + slots * slot_bytes > group_bytes) break;
       bytes += slots * slot_bytes;
-      longest = std::max(longest, sample_length(all[end], o) - 1);
+      longest = std::max(longest, length - 1);  // the sample's forward steps
     }
     groups.emplace_back(first, end);
     total += longest * static_cast<std::int64_t>(end - first);

@@ -17,7 +17,7 @@
 # --stages 1,2,3: only those stages (1 calibration, 2 tuning, 3 regime 1 with each policy's own
 # protection, 4 regime 1 under the harmonised protocol, 5 retrieval with the full cache, 6
 # retrieval after a full prefill, 7 retrieval during a chunked prefill); a stage reads what the
-# earlier ones wrote in OUT_DIR. Default: all.
+# earlier ones wrote in OUT_DIR. Default: the model's whole grid (all seven; Qwen's: see Sizes).
 #
 # Splits: eval/prompts/calibration.txt (calibration only), dev.txt (the only prompts the
 # tuning step reads), test.txt (the reported figures; read once, after tuning), haystack.txt
