@@ -120,6 +120,16 @@ inline triattn::triattention_config tri_config(triattn::granularity g, std::int6
   return c;
 }
 
+/// An Expected Attention variant (`calibrated`: the stats' query means in place of the
+/// observed queries), under the evaluation's setting.
+inline eval_policy ea(std::string name, std::string summary, triattn::expected_attention_config c, bool calibrated) {
+  return {std::move(name), std::move(summary), calibrated,
+          [c, calibrated](const triattn::query_stats* s, std::uint64_t, const row_setting& setting) {
+            return calibrated ? triattn::configured_policy(triattn::expected_attention(*s, c), inputs_for(s, setting))
+                              : triattn::configured_policy(triattn::expected_attention(c), inputs_for(s, setting));
+          }};
+}
+
 inline std::vector<eval_policy> all_policies() {
   using G = triattn::granularity;
   std::vector<eval_policy> p;
@@ -145,6 +155,15 @@ inline std::vector<eval_policy> all_policies() {
                   tri_config(G::per_layer, 128, 8)));
   p.push_back(tri(tn + "_seed", "triattention's seed preset: one keep set for the sequence (union, max of rows)",
                   triattn::triattention_config::seed()));
+  const std::string en(triattn::expected_attention::name);
+  triattn::expected_attention_config c;
+  c.covariance = false;
+  p.push_back(ea(en + "_mean", "expected_attention, the queries' mean alone (no covariance term)", c, false));
+  c = {};
+  c.value_norm = false;
+  p.push_back(ea(en + "_no_vnorm", "expected_attention without the value-norm weight", c, false));
+  p.push_back(ea(en + "_calibrated", "expected_attention from the calibration file's query means (no covariance)", {},
+                 true));
   return p;
 }
 
@@ -174,6 +193,15 @@ inline std::optional<eval_policy> parametric_policy(const std::string& name) {
       {"triattention_ema", "score history: B x the previous rounds' score + (1 - B) x this round's",
        [](triattn::triattention_config& c, double x) { c.score_ema = static_cast<float>(x); }},
   };
+  if (name.starts_with("expected_attention_f")) {  // the future positions averaged
+    const std::string_view v = std::string_view(name).substr(std::string_view("expected_attention_f").size());
+    std::int64_t x = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (v.empty() || ec != std::errc() || end != v.data() + v.size()) return std::nullopt;
+    triattn::expected_attention_config c;
+    c.future = x;
+    return ea(name, "expected_attention, rotations averaged over the next " + std::string(v) + " positions", c, false);
+  }
   for (const kind& k : kinds) {
     if (!name.starts_with(k.prefix)) continue;
     const std::string_view v = std::string_view(name).substr(k.prefix.size());

@@ -7,6 +7,7 @@
 //   triattn_eval tokenize --model M --text FILE --out T.npy
 //   triattn_eval logits --model M --tokens T.npy --out L.npy [--policy P --budget B --slack D --stats S]
 //   triattn_eval long --model M.gguf --prompts FILE --policies LIST --out DIR [...]
+//   triattn_eval prefill --model M.gguf --text FILE --policies LIST --out DIR [...]   (prefill.hpp)
 //   triattn_eval passkey --model M.gguf --policies LIST --out DIR [...]
 //   triattn_eval generate --model M --prompt-file F [--chat] [--policy P --budget B ...]
 //
@@ -64,6 +65,7 @@
 #include "eval_policies.hpp"
 #include "generate.hpp"
 #include "long_context.hpp"
+#include "prefill.hpp"
 #include "runner/compressed_session.hpp"
 #include "runner/runner.hpp"
 #include "runner/text_model.hpp"
@@ -104,6 +106,8 @@ std::string usage_text() {
       "                    [--policy P --budget B [--slack 16] [--stats S]]\n"
       "       triattn_eval long --model M.gguf --prompts FILE --policies LIST --out DIR [--stats S]\n"
       "                    [--budgets 128,256,512] [--tokens 2048] [--slack 64] [--temperature 0.7] [--seed 1]\n"
+      "       triattn_eval prefill --model M.gguf --text FILE --policies LIST --out DIR [--stats S]\n"
+      "                    [--budgets 128,256] [--context 1024] [--tokens 256] [--windows 16] [--first-window 0]\n"
       "       triattn_eval passkey --model M.gguf --policies LIST --out DIR [--stats S] [--fractions 0.1,0.25,0.5]\n"
       "                    [--contexts 1024,2048,4096] [--depths 0.1,0.3,0.5,0.7,0.9] [--trials 1] [--chunk 128]\n"
       "                    [--compress-at chunks|end] [--max-cache-mib 8192]\n"
@@ -112,7 +116,7 @@ std::string usage_text() {
       "                    [--families single,multikey,paraphrase]\n"
       "       triattn_eval generate --model M --prompt-file F [--chat] [--policy P --budget B [--slack 16] [--stats S]]\n"
       "                    [--chunk 128] [--compress-at chunks|end] [--max-tokens 32] [--threads T]   (the answer on stdout)\n"
-      "long, passkey, logits and generate: [--protocol own|none|prompt,sinks=N,recent=N] protects the same slots\n"
+      "long, prefill, passkey, logits and generate: [--protocol own|none|prompt,sinks=N,recent=N] protects the same slots\n"
       "                    for every policy (default own: each policy's defaults)\n"
       "M: a llama2.c checkpoint (with --tokenizer) or a GGUF file (tokenizer inside).\n"
       "--quick: 8 windows, budgets 32,64, 8 prompts (unless given explicitly).\n"
@@ -593,6 +597,7 @@ int run(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "tokenize") return run_tokenize(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "logits") return run_logits(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "long") return run_long(argc, argv);
+  if (argc > 1 && std::string_view(argv[1]) == "prefill") return run_prefill(argc, argv);
   if (argc > 1 && (std::string_view(argv[1]) == "passkey" || std::string_view(argv[1]) == "retrieval"))
     return run_passkey(argc, argv);
   if (argc > 1 && std::string_view(argv[1]) == "generate") return run_generate(argc, argv);

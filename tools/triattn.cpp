@@ -476,13 +476,23 @@ int run_registry_policy(const options& o, bool select, const triattn::policy_ent
   // --positions is triattention's input, ignored here like every input a command does not use.
   npy_cache cache(o.required("--keys"), std::nullopt);
   if (const auto values = o.optional_value("--values")) cache.add_values(*values);
-  // A policy that reads only the cache observes nothing: one q-head per kv-head.
+  // Expected Attention takes --stats in place of --queries: the stats' query means, their RoPE.
+  std::optional<triattn::query_stats> stats;
+  if (entry.queries_from_stats && o.has("--stats") && !o.has("--queries")) {
+    stats = triattn::load_stats(o.required("--stats"));
+    in.stats = &*stats;
+    in.calibrated_queries = true;
+  }
+  const bool reads_queries = entry.needs.queries && !in.calibrated_queries;
+  // A policy that reads only the cache observes nothing: one q-head per kv-head (the stats'
+  // q-heads for a calibrated one).
   const observed_rows r = entry.needs.attention ? read_attention(o, cache)
-                          : entry.needs.queries ? read_queries(o, cache)
-                                                : observed_rows{{}, cache.kv_heads(), 0, 0, false};
-  if (entry.needs.queries) in.window = static_cast<int>(r.rows);  // the query window is the rows given
+                          : reads_queries       ? read_queries(o, cache)
+                                                : observed_rows{{}, stats ? stats->num_q_heads : cache.kv_heads(), 0, 0, false};
+  if (reads_queries) in.window = static_cast<int>(r.rows);  // the query window is the rows given
   triattn::any_policy policy = *entry.create(in);
-  const triattn::dense_kv_view view = cache.view(r.q_heads, triattn::key_state::post_rope, triattn::rope_desc{});
+  const triattn::dense_kv_view view =
+      cache.view(r.q_heads, triattn::key_state::post_rope, stats ? stats_rope(*stats) : triattn::rope_desc{});
   policy.attach(view);
   const std::int64_t n = cache.tokens();
   const std::span<const float> all(r.data);

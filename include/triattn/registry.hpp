@@ -18,6 +18,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -29,7 +30,10 @@
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
+#include "triattn/policies/expected_attention.hpp"
 #include "triattn/policies/h2o.hpp"
+#include "triattn/policies/keydiff.hpp"
+#include "triattn/policies/knorm.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/rkv.hpp"
 #include "triattn/policies/snapkv.hpp"
@@ -178,6 +182,9 @@ struct policy_inputs {
   /// When set, the protection every round applies, the same for every policy (triattn_eval's
   /// harmonised setting); unset, each policy keeps its own defaults.
   std::optional<round_protocol> protocol;
+  /// Policies that can (`policy_entry::queries_from_stats`) take their query statistics from
+  /// `stats` instead of observed queries do (the CLI's `--stats` without `--queries`).
+  bool calibrated_queries = false;
 };
 
 /// The name of the uncompressed reference (no policy class).
@@ -194,12 +201,18 @@ struct basic_policy_entry {
   /// Whether `policy_inputs::gqa` applies: the policy combines a GQA group's scores by a
   /// `gqa_aggregation` (read off its config, not listed by hand).
   bool takes_gqa = false;
+  /// Whether the policy reads observed queries for their statistics alone, so that calibration
+  /// statistics can stand in for them (`policy_inputs::calibrated_queries`; read off the
+  /// class: it reads queries and is constructible from a `query_stats`).
+  bool queries_from_stats = false;
 
   /// A fresh policy, or std::nullopt for `full`. Throws `triattn::error` when the policy
   /// needs statistics and `in` has none.
   std::optional<basic_any_policy<View>> create(const policy_inputs& in = {}) const {
-    TRIATTN_CHECK(!needs.stats || in.stats != nullptr, "triattn::policy_entry::create", "policy ", name,
-                  " needs calibration statistics (--stats)");
+    TRIATTN_CHECK((!needs.stats && !in.calibrated_queries) || in.stats != nullptr, "triattn::policy_entry::create",
+                  "policy ", name, " needs calibration statistics (--stats)");
+    TRIATTN_CHECK(!in.calibrated_queries || queries_from_stats, "triattn::policy_entry::create", "policy ", name,
+                  " cannot take its queries from calibration statistics");
     return make != nullptr ? std::optional(make(in)) : std::nullopt;
   }
   /// Whether the entry compresses (every entry but `full`). By name, not by `make`: comparing
@@ -235,7 +248,8 @@ namespace detail {
 template <KVCacheView View, class P, auto make_policy>
 constexpr basic_policy_entry<View> entry(std::string_view summary, policy_needs needs = {}) {
   return {P::name, summary, [](const policy_inputs& in) { return configured_policy<View>(make_policy(in), in); }, needs,
-          requires(P p) { p.config.gqa = gqa_aggregation::mean; }};
+          requires(P p) { p.config.gqa = gqa_aggregation::mean; },
+          needs.queries && std::is_constructible_v<P, const query_stats&>};
 }
 
 }  // namespace detail
@@ -259,6 +273,16 @@ inline constexpr std::array policy_registry_for{
         "calibrated query centres predict attention from distance (paper defaults: one keep set per KV head, "
         "offsets to 65536)",
         {.stats = true}),
+    detail::entry<View, knorm, [](const policy_inputs&) { return knorm{}; }>(
+        "the smallest key L2 norms (Devoto et al. 2024); reads the keys alone"),
+    detail::entry<View, keydiff, [](const policy_inputs&) { return keydiff{}; }>(
+        "the keys least like the average key direction (Park et al. 2025); reads the keys alone"),
+    detail::entry<View, expected_attention,
+                  [](const policy_inputs& in) {
+                    return in.calibrated_queries ? expected_attention(*in.stats) : expected_attention{};
+                  }>("expected softmax of Gaussian future queries (mean, covariance of the last 128) x value L2 norm, "
+                     "4 sinks (Devoto et al. 2025)",
+                     {.values = true, .queries = true}),
 };
 
 inline constexpr const auto& policy_registry = policy_registry_for<dense_kv_view>;

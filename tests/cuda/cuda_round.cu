@@ -17,12 +17,15 @@
 
 #include "cuda/device_cache.hpp"
 #include "cuda/driver.hpp"
+#include "cuda/gpu_plan.cuh"
 #include "cuda/reference.hpp"
 #include "support/random.hpp"
 #include "support/triattention_reference.hpp"
 #include "support/views.hpp"
 #include "triattn/cuda/accumulated.cuh"
 #include "triattn/cuda/compact.cuh"
+#include "triattn/cuda/keydiff.cuh"
+#include "triattn/cuda/knorm.cuh"
 #include "triattn/cuda/rkv.cuh"
 #include "triattn/cuda/round.cuh"
 #include "triattn/cuda/snapkv.cuh"
@@ -34,31 +37,12 @@ namespace {
 using namespace triattn_cuda_test;
 using triattn_test::cache_layout;
 
-/// A device scorer that runs `S` and keeps a copy of the row scores it wrote.
-template <class S>
-struct recording_scorer {
-  S inner;
-  float* copy = nullptr;  // [batch, layers, kv_heads, capacity]
-
-  TRIATTN_HOST_DEVICE triattn::row_rule rule(const triattn::round_info& info) const { return inner.rule(info); }
-
-  template <triattn::KVCacheView V>
-  cudaError_t score(const char* api, void* workspace, std::size_t& workspace_bytes,
-                    const triattn::cuda::view_batch<V>& batch, const triattn::cuda::device_round& round, float* scores,
-                    std::int32_t* status, cudaStream_t stream) const {
-    const cudaError_t err = inner.score(api, workspace, workspace_bytes, batch, round, scores, status, stream);
-    if (err != cudaSuccess || workspace == nullptr) return err;
-    const triattn::kv_geometry& g = batch.geometry;
-    const auto n = static_cast<std::size_t>(batch.size) * g.num_layers * g.num_kv_heads * batch.capacity;
-    return cudaMemcpyAsync(copy, scores, n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
-  }
-};
-
-enum class policy_kind { streaming_llm, triattention, h2o, vatp, snapkv, rkv };
+enum class policy_kind { streaming_llm, triattention, h2o, vatp, snapkv, rkv, knorm, keydiff };
 constexpr policy_kind all_policies[] = {policy_kind::streaming_llm, policy_kind::triattention, policy_kind::h2o,
-                                        policy_kind::vatp,          policy_kind::snapkv,       policy_kind::rkv};
+                                        policy_kind::vatp,          policy_kind::snapkv,       policy_kind::rkv,
+                                        policy_kind::knorm,         policy_kind::keydiff};
 const char* policy_name(policy_kind p) {
-  constexpr const char* names[] = {"streaming_llm", "triattention", "h2o", "vatp", "snapkv", "rkv"};
+  constexpr const char* names[] = {"streaming_llm", "triattention", "h2o", "vatp", "snapkv", "rkv", "knorm", "keydiff"};
   return names[static_cast<int>(p)];
 }
 
@@ -218,6 +202,8 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
         check_round(rc, dev, triattn::cuda::rkv_scorer{triattn::rkv_config{.window = window}, q}, options);
       break;
     }
+    case policy_kind::knorm: check_round(rc, dev, triattn::cuda::knorm_scorer{}, options); break;
+    case policy_kind::keydiff: check_round(rc, dev, triattn::cuda::keydiff_scorer{}, options); break;
   }
 }
 
@@ -246,7 +232,7 @@ TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline for every policy, granular
           policy_case<triattn::dense_kv_view>(policy, shape, batch, options, g);
         ++cases;
       }
-  CHECK(cases == 6 * 3 * 2, cases, " cases ran");
+  CHECK(cases == static_cast<int>(std::size(all_policies)) * 3 * 2, cases, " cases ran");
 }
 
 TRIATTN_CUDA_TEST("rows of a shared decision that hold different slots fail the round and compact moves nothing") {

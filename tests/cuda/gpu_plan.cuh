@@ -14,6 +14,26 @@
 
 namespace triattn_cuda_test {
 
+/// A device scorer that runs `S` and keeps a copy of the row scores it wrote.
+template <class S>
+struct recording_scorer {
+  S inner;
+  float* copy = nullptr;  // [batch, layers, kv_heads, capacity]
+
+  TRIATTN_HOST_DEVICE triattn::row_rule rule(const triattn::round_info& info) const { return inner.rule(info); }
+
+  template <triattn::KVCacheView V>
+  cudaError_t score(const char* api, void* workspace, std::size_t& workspace_bytes,
+                    const triattn::cuda::view_batch<V>& batch, const triattn::cuda::device_round& round, float* scores,
+                    std::int32_t* status, cudaStream_t stream) const {
+    const cudaError_t err = inner.score(api, workspace, workspace_bytes, batch, round, scores, status, stream);
+    if (err != cudaSuccess || workspace == nullptr) return err;
+    const triattn::kv_geometry& g = batch.geometry;
+    const auto n = static_cast<std::size_t>(batch.size) * g.num_layers * g.num_kv_heads * batch.capacity;
+    return cudaMemcpyAsync(copy, scores, n * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+  }
+};
+
 /// A round's keep plan as the host sees it, with the round's status word.
 struct gpu_plan {
   std::vector<std::int32_t> keep, kept;  // [batch, layers, kv_heads, budget], [batch, layers, kv_heads]

@@ -55,6 +55,13 @@ double triattention_margin(triattn_test::test_cache& cache, const triattn::query
 keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const triattn::round_options& options,
                      const triattn::row_rule& rule, std::int64_t prompt_length);
 
+/// The CPU scores [layers, kv_heads, capacity] of the key-only policy `name` ("knorm",
+/// "keydiff"): its `score` over the cache's own view; slots past a length left at 0.
+std::vector<float> key_only_scores(triattn_test::test_cache& cache, const char* name);
+
+/// The CPU plan of the key-only policy `name` for a round of `budget` (per_layer).
+keep_rows key_only_plan(triattn_test::test_cache& cache, const char* name, std::int64_t budget);
+
 /// triattn::streaming_llm::plan's rows.
 keep_rows streaming_plan(triattn_test::test_cache& cache, std::int64_t sinks, std::int64_t budget);
 

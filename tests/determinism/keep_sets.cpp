@@ -24,6 +24,8 @@
 #include "support/triattention_reference.hpp"
 #include "support/views.hpp"
 #include "triattn/policies/h2o.hpp"
+#include "triattn/policies/keydiff.hpp"
+#include "triattn/policies/knorm.hpp"
 #include "triattn/policies/rkv.hpp"
 #include "triattn/policies/snapkv.hpp"
 #include "triattn/policies/streaming_llm.hpp"
@@ -246,6 +248,12 @@ int main(int argc, char** argv) {
       const std::int64_t r = last_position(c) + 1;
       run(i, "triattention", t, p, c, [&](const auto& v, std::span<float> out) { p.score(v, r, out); });
     }
+    const auto key_only = [&]<class Policy>(const char* name, Policy p) {
+      test_cache c = make_cache(t);
+      run(i, name, t, p, c, [&](const auto& v, std::span<float> out) { p.score(v, out.first(out.size() / t.shape.group)); });
+    };
+    key_only("knorm", triattn::knorm{});
+    key_only("keydiff", triattn::keydiff{});
   }
   return 0;
 }

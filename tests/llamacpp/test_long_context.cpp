@@ -585,7 +585,7 @@ TEST_CASE("triattn_eval generate: a needle case through every policy, as an inde
     if (std::find(end_policies.begin(), end_policies.end(), name) != end_policies.end())
       rows.emplace_back(name, true, m, P + max_tokens, *e.create(in));
   }
-  REQUIRE(rows.size() == 6 + end_policies.size());
+  REQUIRE(rows.size() == triattn::policy_name_list(true).size() + end_policies.size());
   triattn_runner::batch_decoder decoder(m, 2);
   const auto cut = [&](oracle_row& r) {
     triattn_runner::session& se = r.x.session;

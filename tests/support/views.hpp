@@ -267,4 +267,13 @@ inline std::vector<std::int32_t> expected_freed_pages(const test_cache& c, const
   return out;
 }
 
+/// The largest position any slot below a length of `c` holds, or -1 for an empty cache.
+inline std::int64_t largest_position(test_cache& c) {
+  std::int64_t last = -1;
+  for (int l = 0; l < c.shape().num_layers; ++l)
+    for (int h = 0; h < c.shape().num_kv_heads; ++h)
+      for (std::int32_t s = 0; s < c.length(l, h); ++s) last = std::max<std::int64_t>(last, c.position(l, h, s));
+  return last;
+}
+
 }  // namespace triattn_test

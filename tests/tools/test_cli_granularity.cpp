@@ -104,11 +104,13 @@ struct inputs {
     triattn::save_stats(stats, triattn_test::ref::tri_random_stats(g, geo));
   }
 
+  /// Every input (without `--queries` when not `with_queries`: Expected Attention then takes
+  /// the stats' query means).
   std::vector<std::string> command(const std::string& verb, const std::string& policy,
-                                   const std::vector<std::string>& extra) const {
-    std::vector<std::string> a = {verb,      policy,  "--keys",  keys,  "--values",      values,
-                                  "--attn",  attn,    "--queries", queries, "--stats",   stats,
-                                  "--round-start", std::to_string(round_start)};
+                                   const std::vector<std::string>& extra, bool with_queries = true) const {
+    std::vector<std::string> a = {verb,    policy, "--keys",  keys,  "--values",      values,
+                                  "--attn", attn,  "--stats", stats, "--round-start", std::to_string(round_start)};
+    if (with_queries) a.insert(a.end(), {"--queries", queries});
     a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), {"--out", out});
     return a;
@@ -129,8 +131,8 @@ struct inputs {
 
 /// Each (layer, kv-head) row's normalised score [L][Hkv][N], from `triattn score P`.
 std::vector<std::vector<std::vector<double>>> row_scores(const inputs& in, const std::string& policy,
-                                                         std::int64_t window) {
-  const io::npy_array a = in.run(in.command("score", policy, {"--window", std::to_string(window)}));
+                                                         std::int64_t window, bool with_queries = true) {
+  const io::npy_array a = in.run(in.command("score", policy, {"--window", std::to_string(window)}, with_queries));
   const std::vector<float> s = a.to_float();
   std::vector<std::vector<std::vector<double>>> out(layers, std::vector<std::vector<double>>(kv_heads));
   if (policy != triattn::triattention::name) {
@@ -209,12 +211,12 @@ std::vector<std::int64_t> expected_shape(const std::string& grain, std::int64_t 
 
 /// `select policy --granularity grain --budget budget` on `in`: shape and content.
 void check_select(const inputs& in, const std::string& policy, const std::string& grain, std::int64_t budget,
-                  std::int64_t window = 0) {
+                  std::int64_t window = 0, bool with_queries = true) {
   INFO("select " << policy << " --granularity " << grain << " --budget " << budget << " (N " << in.n << ", w "
                  << in.w << ", rows " << in.rows << ", triattention window " << window << ")");
   std::vector<std::string> extra = {"--budget", std::to_string(budget), "--granularity", grain};
   if (window > 0) extra.insert(extra.end(), {"--window", std::to_string(window)});
-  const io::npy_array a = in.run(in.command("select", policy, extra));
+  const io::npy_array a = in.run(in.command("select", policy, extra, with_queries));
   const std::int64_t k = std::min(budget, in.n);
   REQUIRE(a.kind == io::element_kind::i64);
   REQUIRE(a.shape == expected_shape(grain, k));
@@ -234,7 +236,7 @@ void check_select(const inputs& in, const std::string& policy, const std::string
     return;
   }
 
-  const auto rows = row_scores(in, policy, window);
+  const auto rows = row_scores(in, policy, window, with_queries);
   for (std::size_t d = 0; d < decisions; ++d) {
     // The rows that share keep set d, folded by their mean.
     std::vector<double> folded(static_cast<std::size_t>(in.n), 0.0);
@@ -267,6 +269,20 @@ TEST_CASE("select: every registry policy at every granularity, shape and content
       for (const std::string& grain : granularities)
         for (const std::int64_t b : budgets) check_select(in, policy, grain, b);
   }
+}
+
+TEST_CASE("select expected_attention takes --stats in place of --queries", "[cli][granularity]") {
+  auto g = triattn_test::rng(35);
+  const inputs in(g, 32);
+  const std::string p(triattn::expected_attention::name);
+  int differ = 0;
+  for (const std::string& grain : granularities)
+    for (const std::int64_t b : {3, 11, 20}) {
+      check_select(in, p, grain, b, 0, false);
+      const std::vector<std::string> extra = {"--budget", std::to_string(b), "--granularity", grain};
+      differ += in.run(in.command("select", p, extra, false)).data != in.run(in.command("select", p, extra)).data;
+    }
+  CHECK(differ > 0);  // the stats' means, not the queries: other keep sets
 }
 
 TEST_CASE("select triattention with protected recent slots at every granularity", "[cli][granularity]") {

@@ -148,6 +148,12 @@ TRIATTN_HOST_DEVICE segment_id segment_of(std::int64_t r, const kv_geometry& g) 
   return segment_of(r, g.num_layers, g.num_kv_heads);
 }
 
+/// The (sequence, layer, kv_head) segments of `batch`: the rows of a score buffer.
+template <KVCacheView V>
+std::int64_t segments_of(const view_batch<V>& batch) {
+  return std::int64_t{batch.size} * batch.geometry.num_layers * batch.geometry.num_kv_heads;
+}
+
 /// Blocks of `threads` covering `n` items (at least one block, so that a grid is valid).
 inline unsigned blocks_for(std::int64_t n, int threads) {
   const std::int64_t b = (n + threads - 1) / threads;

@@ -191,11 +191,6 @@ struct window_buffers {
 };
 
 template <KVCacheView V>
-std::int64_t segments_of(const view_batch<V>& batch) {
-  return std::int64_t{batch.size} * batch.geometry.num_layers * batch.geometry.num_kv_heads;
-}
-
-template <KVCacheView V>
 window_buffers carve_window(workspace_carver& ws, const view_batch<V>& batch, const window_params& p) {
   const auto heads = static_cast<std::size_t>(p.votes == window_votes::group_max ? 1 : batch.geometry.group_size());
   const std::size_t rows = static_cast<std::size_t>(segments_of(batch)) * heads * static_cast<std::size_t>(batch.capacity);

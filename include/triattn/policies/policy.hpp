@@ -7,14 +7,32 @@
 /// else (granularity, protection, selection, compaction) is the pipeline's, once for all.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/config.hpp"
+#include "triattn/core/error.hpp"
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/round.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
+
+/// Calls `f(layer, kv_head, row)` for every (layer, kv_head) of a policy's `score` output
+/// `out` [num_layers, num_kv_heads, capacity] over `view`, `row` its slots below the length;
+/// throws `triattn::error` naming `api` when `out` has another size.
+template <KVCacheView V, class F>
+void for_each_score_row(const char* api, const V& view, std::span<float> out, F&& f) {
+  const kv_geometry& g = view.geometry();
+  const std::int64_t cap = view.capacity();
+  TRIATTN_CHECK(out.size() == static_cast<std::size_t>(g.num_layers) * g.num_kv_heads * cap, api, "output holds ",
+                out.size(), " scores, expected num_layers ", g.num_layers, " x num_kv_heads ", g.num_kv_heads,
+                " x capacity ", cap);
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h)
+      f(l, h, out.subspan((static_cast<std::size_t>(l) * g.num_kv_heads + h) * cap, static_cast<std::size_t>(view.length(l, h))));
+}
 
 /// CRTP base giving each policy the member forms `policy.plan(view, budget, ctx)` and
 /// `policy.compress(view, budget, ctx)`.

@@ -324,17 +324,8 @@ class window_policy : public policy_base<Derived> {
   void score(const V& view, std::span<float> out) const {
     const char* api = Derived::names.score;
     check_ready(api, view);
-    const kv_geometry& g = view.geometry();
-    const std::int64_t cap = view.capacity();
-    TRIATTN_CHECK(out.size() == static_cast<std::size_t>(g.num_layers) * g.num_kv_heads * cap, api, "output holds ",
-                  out.size(), " scores, expected num_layers ", g.num_layers, " x num_kv_heads ", g.num_kv_heads,
-                  " x capacity ", cap);
     scratch sc;
-    for (int l = 0; l < g.num_layers; ++l)
-      for (int h = 0; h < g.num_kv_heads; ++h)
-        score_row(api, view, l, h, out.subspan((static_cast<std::size_t>(l) * g.num_kv_heads + h) * cap,
-                                                static_cast<std::size_t>(view.length(l, h))),
-                  sc);
+    for_each_score_row(api, view, out, [&](int l, int h, std::span<float> row) { score_row(api, view, l, h, row, sc); });
   }
 
   const round_options& round() const { return derived().config.round; }
