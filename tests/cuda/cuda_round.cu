@@ -24,6 +24,7 @@
 #include "support/views.hpp"
 #include "triattn/cuda/accumulated.cuh"
 #include "triattn/cuda/compact.cuh"
+#include "triattn/cuda/expected_attention.cuh"
 #include "triattn/cuda/keydiff.cuh"
 #include "triattn/cuda/knorm.cuh"
 #include "triattn/cuda/rkv.cuh"
@@ -37,12 +38,13 @@ namespace {
 using namespace triattn_cuda_test;
 using triattn_test::cache_layout;
 
-enum class policy_kind { streaming_llm, triattention, h2o, vatp, snapkv, rkv, knorm, keydiff };
+enum class policy_kind { streaming_llm, triattention, h2o, vatp, snapkv, rkv, knorm, keydiff, expected_attention };
 constexpr policy_kind all_policies[] = {policy_kind::streaming_llm, policy_kind::triattention, policy_kind::h2o,
                                         policy_kind::vatp,          policy_kind::snapkv,       policy_kind::rkv,
-                                        policy_kind::knorm,         policy_kind::keydiff};
+                                        policy_kind::knorm,         policy_kind::keydiff,      policy_kind::expected_attention};
 const char* policy_name(policy_kind p) {
-  constexpr const char* names[] = {"streaming_llm", "triattention", "h2o", "vatp", "snapkv", "rkv", "knorm", "keydiff"};
+  constexpr const char* names[] = {"streaming_llm", "triattention", "h2o",     "vatp",
+                                   "snapkv",        "rkv",          "knorm", "keydiff", "expected_attention"};
   return names[static_cast<int>(p)];
 }
 
@@ -186,7 +188,8 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
       break;
     }
     case policy_kind::snapkv:
-    case policy_kind::rkv: {
+    case policy_kind::rkv:
+    case policy_kind::expected_attention: {
       const int window = 1 + static_cast<int>(g() % 6), rows = 1 + static_cast<int>(g() % static_cast<unsigned>(window));
       const auto per_sequence = static_cast<std::size_t>(geo.num_layers) * geo.num_q_heads * rows * geo.head_dim;
       const device_buffer<float> queries(triattn_test::normal_floats(g, per_sequence * static_cast<std::size_t>(batch)));
@@ -198,6 +201,8 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
       const triattn::cuda::window_query_batch q{queries.get(), query_positions.get(), rows};
       if (policy == policy_kind::snapkv)
         check_round(rc, dev, triattn::cuda::snapkv_scorer{triattn::snapkv_config{.window = window}, q}, options);
+      else if (policy == policy_kind::expected_attention)
+        check_round(rc, dev, triattn::cuda::expected_attention_scorer{{.window = window, .sinks = 0}, q}, options);
       else
         check_round(rc, dev, triattn::cuda::rkv_scorer{triattn::rkv_config{.window = window}, q}, options);
       break;

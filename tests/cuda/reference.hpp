@@ -13,6 +13,7 @@
 #include "triattn/core/granularity.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/policies/expected_attention_math.hpp"
 #include "triattn/policies/triattention_config.hpp"
 
 namespace triattn_cuda_test::cpu {
@@ -61,6 +62,13 @@ std::vector<float> key_only_scores(triattn_test::test_cache& cache, const char* 
 
 /// The CPU plan of the key-only policy `name` for a round of `budget` (per_layer).
 keep_rows key_only_plan(triattn_test::test_cache& cache, const char* name, std::int64_t budget);
+
+/// triattn::expected_attention::score [layers, kv_heads, capacity] (the sinks +inf) for a round
+/// at `round_start`, the policy having observed `queries` [layers, q_heads, rows, head_dim] at
+/// `positions` [rows] (one sequence).
+std::vector<float> expected_attention_scores(triattn_test::test_cache& cache, const triattn::expected_attention_config& config,
+                                             std::span<const float> queries, std::span<const std::int32_t> positions,
+                                             std::int64_t round_start);
 
 /// triattn::streaming_llm::plan's rows.
 keep_rows streaming_plan(triattn_test::test_cache& cache, std::int64_t sinks, std::int64_t budget);

@@ -28,6 +28,29 @@ TRIATTN_HOST_DEVICE bool key_segment_scored(const std::int32_t* budgets, int b, 
   return budgets == nullptr || n > budgets[b];
 }
 
+/// The slot a thread of a (slot blocks, layers x kv_heads, batch) grid of `Threads`-thread
+/// blocks covers: segment `seg` = (sequence, layer, kv_head) `id` holding `n` slots, slot `s`;
+/// `active` when s < n and the segment is ranked.
+struct slot_thread {
+  std::int64_t seg, s;
+  segment_id id;
+  std::int32_t n;
+  bool active;
+};
+#if defined(__CUDACC__)
+template <int Threads, KVCacheView V>
+__device__ slot_thread slot_of_thread(const view_batch<V>& batch, const std::int32_t* budgets) {
+  const kv_geometry& g = batch.geometry;
+  slot_thread t;
+  t.seg = std::int64_t{blockIdx.z} * g.num_layers * g.num_kv_heads + blockIdx.y;
+  t.id = segment_of(t.seg, g);
+  t.s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
+  t.n = batch.views[t.id.b].length(t.id.l, t.id.h);
+  t.active = t.s < t.n && key_segment_scored(budgets, t.id.b, t.n);
+  return t;
+}
+#endif
+
 /// Grid (slot blocks, layers x kv_heads, batch): thread s of segment (z, y) loads key s and
 /// writes `score(key, head_dim, segment)` into `scores` [batch, layers, kv_heads, capacity].
 /// A non-finite key sets `non_finite_key`.
@@ -35,19 +58,15 @@ template <int Threads, class Score, KVCacheView V>
 __global__ void __launch_bounds__(Threads)
     key_scored_slots(view_batch<V> batch, const std::int32_t* budgets, Score score, float* scores,
                      std::int32_t* status) {
-  const kv_geometry& g = batch.geometry;
-  const std::int64_t seg = std::int64_t{blockIdx.z} * g.num_layers * g.num_kv_heads + blockIdx.y;
-  const segment_id id = segment_of(seg, g);
-  const V& view = batch.views[id.b];
-  const std::int64_t s = blockIdx.x * std::int64_t{Threads} + threadIdx.x;
-  const std::int32_t n = view.length(id.l, id.h);
-  if (s >= n || !key_segment_scored(budgets, id.b, n)) return;
+  const slot_thread t = slot_of_thread<Threads>(batch, budgets);
+  if (!t.active) return;
+  const int D = batch.geometry.head_dim;
   float key[max_head_dim];
-  load_key_row(view, id.l, id.h, s, key);
+  load_key_row(batch.views[t.id.b], t.id.l, t.id.h, t.s, key);
   bool finite = true;
-  for (int d = 0; d < g.head_dim; ++d) finite = finite && isfinite(key[d]);
+  for (int d = 0; d < D; ++d) finite = finite && isfinite(key[d]);
   if (!finite) fail_round(status, round_status::non_finite_key);
-  scores[seg * batch.capacity + s] = score(key, g.head_dim, seg);
+  scores[t.seg * batch.capacity + t.s] = score(key, D, t.seg);
 }
 
 /// The grid of `key_scored_slots` and of the per-segment kernels (x: 1 for those).
