@@ -131,10 +131,14 @@ class expected_attention : public policy_base<expected_attention> {
   const query_window& queries() const { return window_; }
 
  private:
-  /// Per (layer, q_head): `rows` rows of head_dim floats, R̄μ/√D then (covariance on) the
-  /// rows of R̄ΣR̄ᵀ/2D. [layers, q_heads, rows, head_dim].
+  /// Per (layer, q_head): `rows` rows of head_dim floats [layers, q_heads, rows, head_dim]:
+  /// R̄μ/√D, then (covariance on) either the rows of R̄ΣR̄ᵀ/2D, or, `factored`, when the heads
+  /// keep fewer queries than head_dim, one row y_i = R̄(x_i − μ)/√(2D·k) per kept query x_i
+  /// (zero rows pad a head that keeps fewer): kᵀR̄ΣR̄ᵀk/2D = Σ_i (y_i·k)², k·D products a key
+  /// instead of D² (kvpress' default window is all the prompt; a decode-time window is short).
   struct head_terms {
     int rows = 1;
+    bool factored = false;
     std::vector<float> data;
   };
 
@@ -165,25 +169,47 @@ class expected_attention : public policy_base<expected_attention> {
     std::vector<double> c(static_cast<std::size_t>(F)), s(static_cast<std::size_t>(F));
     for (int f = 0; f < F; ++f)
       expected_attention_mean_rotation(g.rope, D, f, static_cast<double>(round_start), config.future, c[f], s[f]);
-    // R̄ x for a vector x [D] (R̄ᵀ x with `transpose`): band by band, unrotated dims as they are.
-    const auto apply = [&](double* x, bool transpose) {
+    // R̄ x for a vector x [D]: band by band, unrotated dims as they are.
+    const auto apply = [&](double* x) {
       for (int f = 0; f < F; ++f) {
         int re, im;
         rope_band_dims(g.rope.style, 2 * F, f, re, im);
-        rotate_band_cs(x, re, im, c[f], transpose ? -s[f] : s[f]);
+        rotate_band_cs(x, re, im, c[f], s[f]);
       }
     };
+    // The queries each head keeps (its window's, rotated back, those past the sinks), all
+    // gathered first: their count decides the terms' layout.
+    std::vector<std::vector<std::vector<double>>> kept(static_cast<std::size_t>(g.num_layers) * g.num_q_heads);
+    std::size_t most = 0;
+    if (!stats_) {
+      row_matrix q;
+      std::vector<std::int32_t> positions;
+      std::vector<double> pre(static_cast<std::size_t>(D));
+      for (int l = 0; l < g.num_layers; ++l)
+        for (int h = 0; h < g.num_q_heads; ++h) {
+          auto& k = kept[static_cast<std::size_t>(l) * g.num_q_heads + h];
+          const int m = window_.gather(api, l, h, 1, q, positions);
+          for (int i = 0; i < m; ++i) {
+            if (positions[i] < config.sinks) continue;
+            for (int d = 0; d < D; ++d) pre[d] = q(i, d);
+            rope_unrotate(g.rope, pre.data(), D, positions[i]);
+            k.push_back(pre);
+          }
+          TRIATTN_CHECK(!k.empty(), api, "layer ", l, " q_head ", h, " holds no observed query at a position >= sinks ",
+                        config.sinks, ": observe queries before a round");
+          most = std::max(most, k.size());
+        }
+    }
     head_terms out;
-    out.rows = cov ? 1 + D : 1;
+    out.factored = cov && most < static_cast<std::size_t>(D);
+    out.rows = !cov ? 1 : out.factored ? 1 + static_cast<int>(most) : 1 + D;
     out.data.assign(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * out.rows * D, 0.0f);
     std::vector<double> mu(static_cast<std::size_t>(D)), sigma(static_cast<std::size_t>(D) * D), col(static_cast<std::size_t>(D));
-    row_matrix q;
-    std::vector<std::int32_t> positions;
-    std::vector<double> pre(static_cast<std::size_t>(D));
     for (int l = 0; l < g.num_layers; ++l)
       for (int h = 0; h < g.num_q_heads; ++h) {
+        const auto& k = kept[static_cast<std::size_t>(l) * g.num_q_heads + h];
+        const auto count = static_cast<double>(k.size());
         std::fill(mu.begin(), mu.end(), 0.0);
-        std::fill(sigma.begin(), sigma.end(), 0.0);
         if (stats_) {
           const std::size_t r = stats_->row(l, h);
           for (int f = 0; f < F; ++f) {
@@ -193,39 +219,34 @@ class expected_attention : public policy_base<expected_attention> {
             mu[im] = stats_->q_mean_imag[r + f];
           }
         } else {
-          const int m = window_.gather(api, l, h, 1, q, positions);
-          std::vector<std::vector<double>> kept;
-          for (int i = 0; i < m; ++i) {
-            if (positions[i] < config.sinks) continue;
-            for (int d = 0; d < D; ++d) pre[d] = q(i, d);
-            rope_unrotate(g.rope, pre.data(), D, positions[i]);
-            kept.push_back(pre);
-          }
-          TRIATTN_CHECK(!kept.empty(), api, "layer ", l, " q_head ", h, " holds no observed query at a position >= sinks ",
-                        config.sinks, ": observe queries before a round");
-          for (const auto& x : kept)
-            for (int d = 0; d < D; ++d) mu[d] += x[d] / static_cast<double>(kept.size());
-          if (cov)
-            for (const auto& x : kept)
-              for (int a = 0; a < D; ++a)
-                for (int b = 0; b < D; ++b)
-                  sigma[a * D + b] += (x[a] - mu[a]) * (x[b] - mu[b]) / static_cast<double>(kept.size());
+          for (const auto& x : k)
+            for (int d = 0; d < D; ++d) mu[d] += x[d] / count;
         }
-        apply(mu.data(), false);
         float* t = out.data.data() + (static_cast<std::size_t>(l) * g.num_q_heads + h) * out.rows * D;
+        if (cov && out.factored) {  // y_i = R̄(x_i − μ)/√(2D·k), μ before its rotation
+          for (std::size_t i = 0; i < k.size(); ++i) {
+            for (int d = 0; d < D; ++d) col[d] = k[i][d] - mu[d];
+            apply(col.data());
+            for (int d = 0; d < D; ++d) t[(1 + i) * D + d] = static_cast<float>(col[d] / std::sqrt(2.0 * D * count));
+          }
+        } else if (cov) {  // R̄ Σ R̄ᵀ/2D: R̄ applied to every column of Σ, then to every row
+          std::fill(sigma.begin(), sigma.end(), 0.0);
+          for (const auto& x : k)
+            for (int a = 0; a < D; ++a)
+              for (int b = 0; b < D; ++b) sigma[a * D + b] += (x[a] - mu[a]) * (x[b] - mu[b]) / count;
+          for (int b = 0; b < D; ++b) {
+            for (int a = 0; a < D; ++a) col[a] = sigma[a * D + b];
+            apply(col.data());
+            for (int a = 0; a < D; ++a) sigma[a * D + b] = col[a];
+          }
+          for (int a = 0; a < D; ++a) {
+            apply(sigma.data() + a * D);
+            for (int b = 0; b < D; ++b) t[(1 + a) * D + b] = static_cast<float>(sigma[a * D + b] / (2.0 * D));
+          }
+        }
+        apply(mu.data());
         const double root = std::sqrt(static_cast<double>(D));
         for (int d = 0; d < D; ++d) t[d] = static_cast<float>(mu[d] / root);
-        if (!cov) continue;
-        // R̄ Σ R̄ᵀ: R̄ applied to every column of Σ, then to every row of the result.
-        for (int b = 0; b < D; ++b) {
-          for (int a = 0; a < D; ++a) col[a] = sigma[a * D + b];
-          apply(col.data(), false);
-          for (int a = 0; a < D; ++a) sigma[a * D + b] = col[a];
-        }
-        for (int a = 0; a < D; ++a) {
-          apply(sigma.data() + a * D, false);
-          for (int b = 0; b < D; ++b) t[(1 + a) * D + b] = static_cast<float>(sigma[a * D + b] / (2.0 * D));
-        }
       }
     return out;
   }
@@ -255,7 +276,11 @@ class expected_attention : public policy_base<expected_attention> {
         fixed_order_dot_block(t, D, R, keys.data(), keys.outerStride(), n, D, sc.products.data(), sc.products.outerStride());
         for (std::int64_t j = 0; j < n; ++j) {
           float z = sc.products(0, j);
-          for (int a = 1; a < R; ++a) z = multiply_add(keys(j, a - 1), sc.products(a, j), z);
+          if (terms->factored) {
+            for (int a = 1; a < R; ++a) z = multiply_add(sc.products(a, j), sc.products(a, j), z);
+          } else {
+            for (int a = 1; a < R; ++a) z = multiply_add(keys(j, a - 1), sc.products(a, j), z);
+          }
           sc.logits[j] = candidate[j] != 0 ? z : -INFINITY;
         }
         softmax_row(sc.logits.data(), n);
