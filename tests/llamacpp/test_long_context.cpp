@@ -35,6 +35,7 @@
 #include "runner/calibration.hpp"
 #include "runner/compressed_session.hpp"
 #include "runner/text_model.hpp"
+#include "support/data.hpp"
 #include "tools/cli.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
@@ -260,6 +261,67 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
   // The answer file holds the sampled answer.
   for (const std::string& prompt : prompts)
     CHECK(triattn_test::read_text(dir.path() / "a" / "answers.txt").find(prompt) != std::string::npos);
+}
+
+TEST_CASE("triattn_eval prefill: one round after the context, as an independent sequential computation",
+          "[eval][gguf]") {
+  cli::scratch_dir dir("prefill");
+  const fs::path text = triattn_test::data_dir() / "data/tinystories_valid_head.txt";
+  const std::int64_t context = 48, tokens = 8, budget = 16;
+  const auto run = [&](const char* threads, const fs::path& out) {
+    const cli::result r = cli::run_cli(
+        dir, {"prefill", "--model", gguf_path.string(), "--text", text.string(), "--policies",
+              "streaming_llm,snapkv,expected_attention", "--budgets", std::to_string(budget), "--context",
+              std::to_string(context), "--tokens", std::to_string(tokens), "--windows", "2", "--first-window", "1",
+              "--protocol", "sinks=4,recent=8", "--threads", threads, "--out", out.string()});
+    INFO("stderr: " << r.err);
+    REQUIRE(r.code == 0);
+  };
+  run("1", dir.path() / "a");
+  run("2", dir.path() / "b");
+  for (const char* f : {"prefill.csv", "prefill_windows.csv"})
+    CHECK(triattn_test::read_text(dir.path() / "a" / f) == triattn_test::read_text(dir.path() / "b" / f));
+  const auto rows = read_csv(dir.path() / "a" / "prefill_windows.csv");
+  REQUIRE(rows.size() == 1 + 3 * 2);  // header, 3 policies x 2 windows
+
+  // The oracle: each window's full cache and one sequence per policy, token by token; the
+  // policy's round once the context is in, then no other; KL over the continuation.
+  const triattn_runner::text_model tm = triattn_runner::text_model::load(gguf_path, "");
+  const triattn_runner::model& m = tm.model();
+  const auto windows = triattn_runner::text_windows([&](std::string_view p) { return tm.encode_paragraph(p); },
+                                                    triattn_runner::read_file(text, "test"),
+                                                    static_cast<int>(context + tokens + 1), 3);
+  REQUIRE(windows.size() == 3);
+  triattn::policy_inputs in = on_schedule(triattn::schedule::once_after_prompt());
+  in.protocol = triattn::round_protocol{false, 4, 8};
+  for (std::size_t r = 1; r < rows.size(); ++r) {
+    const std::string& name = rows[r][0];
+    const std::vector<int>& x = windows[static_cast<std::size_t>(std::stoi(rows[r][2]))];
+    INFO(name << " window " << rows[r][2]);
+    triattn_runner::session full(m, context + tokens);
+    oracle_sequence c(m, context + tokens, *triattn::find_policy(name)->create(in));
+    double kl = 0.0;
+    for (std::int64_t t = 0; t < context + tokens; ++t) {
+      const auto ref = full.forward(x[static_cast<std::size_t>(t)]);
+      const std::vector<float> want(ref.begin(), ref.end());
+      const auto got = c.session.forward(x[static_cast<std::size_t>(t)]);
+      if (t >= context) {
+        const double lp = log_sum_exp(want), lq = log_sum_exp(got);
+        for (std::size_t v = 0; v < want.size(); ++v)
+          kl += std::exp(want[v] - lp) * ((want[v] - lp) - (got[v] - lq)) / static_cast<double>(tokens);
+      }
+      if (t + 1 == context) triattn::compress(c.policy, c.session.view(), budget, {c.session.position(), 0});
+    }
+    CHECK(kl > 0.0);  // the round cut the context and changed the predictions
+    CHECK(std::stod(rows[r][3]) == Approx(kl).epsilon(1e-4).margin(1e-6));  // the CSV's 6 decimals
+  }
+  // A budget that keeps the whole context is refused, naming it.
+  const cli::result r = cli::run_cli(dir, {"prefill", "--model", gguf_path.string(), "--text", text.string(),
+                                           "--policies", "streaming_llm", "--budgets", "64", "--context", "48",
+                                           "--out", (dir.path() / "c").string()});
+  CHECK(r.code == 2);
+  CHECK(r.err.find("budget 64 must be below --context 48") != std::string::npos);
+  CHECK(!fs::exists(dir.path() / "c"));
 }
 
 TEST_CASE("triattn_eval passkey: the key at its depth, found with the full cache", "[eval][gguf]") {
