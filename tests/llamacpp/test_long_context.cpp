@@ -35,7 +35,6 @@
 #include "runner/calibration.hpp"
 #include "runner/compressed_session.hpp"
 #include "runner/text_model.hpp"
-#include "support/data.hpp"
 #include "tools/cli.hpp"
 #include "triattn/calibration/stats_file.hpp"
 
@@ -266,7 +265,13 @@ TEST_CASE("triattn_eval long: the CSV is an independent sequential computation, 
 TEST_CASE("triattn_eval prefill: one round after the context, as an independent sequential computation",
           "[eval][gguf]") {
   cli::scratch_dir dir("prefill");
-  const fs::path text = triattn_test::data_dir() / "data/tinystories_valid_head.txt";
+  // The test's own prose, paragraphs apart: enough for three windows of 57 tokens.
+  std::string prose;
+  for (int i = 0; i < 40; ++i)
+    prose += "On day " + std::to_string(i) + " the miller counted " + std::to_string(7 * i + 3) +
+             " sacks of grain, and the river carried the boat past the old bridge.\n\n";
+  const fs::path text = dir.path() / "prose.txt";
+  write_text(text, prose);
   const std::int64_t context = 48, tokens = 8, budget = 16;
   const auto run = [&](const char* threads, const fs::path& out) {
     const cli::result r = cli::run_cli(
