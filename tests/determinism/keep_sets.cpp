@@ -23,6 +23,7 @@
 
 #include "support/triattention_reference.hpp"
 #include "support/views.hpp"
+#include "triattn/policies/expected_attention.hpp"
 #include "triattn/policies/h2o.hpp"
 #include "triattn/policies/keydiff.hpp"
 #include "triattn/policies/knorm.hpp"
@@ -242,6 +243,7 @@ int main(int argc, char** argv) {
     };
     windowed.template operator()<triattn::snapkv>("snapkv", triattn::snapkv_config{});
     windowed.template operator()<triattn::rkv>("rkv", triattn::rkv_config{});
+    windowed.template operator()<triattn::expected_attention>("expected_attention", triattn::expected_attention_config{});
     {
       test_cache c = make_cache(t);
       triattn::triattention p(random_stats(inputs, c.geometry()));
