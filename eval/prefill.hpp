@@ -151,10 +151,13 @@ inline int run_prefill(int argc, char** argv) {
      << ". ± is the standard error across windows; Δ is the paired difference in KL against the budget's best row, "
      << "with its standard error.\n\n| policy | B | KL | Δ KL vs best | top-1 % |\n|---|---:|---:|---:|---:|\n";
   for (std::size_t b = 0; b < B; ++b) {
-    std::size_t best = b;
+    std::size_t best = b;  // the budget's row of lowest mean KL (ties: the first listed)
+    double best_kl = INFINITY;
     for (std::size_t p = 0; p < ps.policies.size(); ++p)
-      if (mean_and_se(std::span(kl).subspan((p * B + b) * W, W)).mean < mean_and_se(std::span(kl).subspan(best * W, W)).mean)
+      if (const double row_kl = mean_and_se(std::span(kl).subspan((p * B + b) * W, W)).mean; row_kl < best_kl) {
         best = p * B + b;
+        best_kl = row_kl;
+      }
     for (std::size_t p = 0; p < ps.policies.size(); ++p) {
       const std::size_t j = p * B + b;
       const auto k = std::span(kl).subspan(j * W, W), t1 = std::span(top1).subspan(j * W, W);

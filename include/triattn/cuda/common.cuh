@@ -149,6 +149,16 @@ TRIATTN_HOST_DEVICE segment_id segment_of(std::int64_t r, const kv_geometry& g) 
   return segment_of(r, g.num_layers, g.num_kv_heads);
 }
 
+/// Refuses a batch of pre-RoPE keys for `policy`, whose kernels compare keys as stored with
+/// post-RoPE vectors: unrotated keys would rank other tokens without an error. The CPU
+/// policies rotate pre-RoPE keys; the GPU ones refuse them.
+template <KVCacheView V>
+cudaError_t check_post_rope_keys(const char* api, const char* policy, const view_batch<V>& batch) {
+  if (batch.geometry.keys != key_state::pre_rope) return cudaSuccess;
+  return reject(api, policy, " on the GPU needs post-RoPE keys: the batch's key_state is pre_rope "
+                "(the CPU policy rotates pre-RoPE keys by their positions)");
+}
+
 /// The (sequence, layer, kv_head) segments of `batch`: the rows of a score buffer.
 template <KVCacheView V>
 std::int64_t segments_of(const view_batch<V>& batch) {

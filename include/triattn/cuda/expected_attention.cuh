@@ -252,9 +252,8 @@ struct expected_attention_scorer {
     if (const std::string e = expected_attention_config_error(config); !e.empty()) return detail::reject(api, e);
     if (const cudaError_t err = detail::check_key_scored(api, batch); err != cudaSuccess) return err;
     const kv_geometry& g = batch.geometry;
-    if (g.keys == key_state::pre_rope)
-      return detail::reject(api, "Expected Attention on the GPU needs post-RoPE keys: the batch's key_state is pre_rope "
-                            "(the CPU policy rotates pre-RoPE keys by their positions)");
+    if (const cudaError_t err = detail::check_post_rope_keys(api, "Expected Attention", batch); err != cudaSuccess)
+      return err;
     if (queries.rows < 1 || queries.rows > config.window)
       return detail::reject(api, "query rows ", queries.rows, " must be in [1, window ", config.window, "]");
     const detail::ea_params p{config, queries, config.covariance ? 1 + g.head_dim : 1};

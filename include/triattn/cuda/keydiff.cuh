@@ -81,9 +81,7 @@ struct keydiff_scorer {
   cudaError_t score(const char* api, void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
                     const device_round& round, float* scores, std::int32_t* status, cudaStream_t stream) const {
     if (const cudaError_t err = detail::check_key_scored(api, batch); err != cudaSuccess) return err;
-    if (batch.geometry.keys == key_state::pre_rope)
-      return detail::reject(api, "KeyDiff on the GPU needs post-RoPE keys: the batch's key_state is pre_rope "
-                            "(the CPU policy rotates pre-RoPE keys by their positions)");
+    if (const cudaError_t err = detail::check_post_rope_keys(api, "KeyDiff", batch); err != cudaSuccess) return err;
     detail::workspace_carver ws(workspace);
     float* anchors = ws.take<float>(static_cast<std::size_t>(detail::segments_of(batch)) *
                                     static_cast<std::size_t>(batch.geometry.head_dim));

@@ -223,11 +223,7 @@ cudaError_t check_window(const char* api, const char* policy, const view_batch<V
                          int window, const std::string& config_error) {
   if (!config_error.empty()) return reject(api, config_error);
   if (const cudaError_t err = check_batch(api, batch); err != cudaSuccess) return err;
-  // The kernels dot post-RoPE queries with keys as stored; unrotated keys would rank other
-  // tokens without an error. The CPU policies rotate pre-RoPE keys; the GPU ones refuse them.
-  if (batch.geometry.keys == key_state::pre_rope)
-    return reject(api, policy, " on the GPU needs post-RoPE keys: the batch's key_state is pre_rope "
-                  "(the CPU policy rotates pre-RoPE keys by their positions)");
+  if (const cudaError_t err = check_post_rope_keys(api, policy, batch); err != cudaSuccess) return err;
   if (q.rows < 1 || q.rows > window) return reject(api, "query rows ", q.rows, " must be in [1, window ", window, "]");
   if (segments_of(batch) > INT32_MAX)
     return reject(api, "batch of ", batch.size, " x ", batch.geometry.num_layers, " layers x ",
