@@ -5,7 +5,9 @@
 // `round_plan`: `fold_row_score` in row order, then `triattn::select_keep`) decides from exactly
 // those floats, so the keep sets must be identical and the caches after `compact` byte-equal
 // to the CPU's compaction. (Each scorer's scores against the CPU are the other cuda_* tests'.)
-// Plus: rows of a shared decision that hold different slots fail the round on the device.
+// Also under segment quotas and head-adaptive budget splits (the CPU's `split_kept` on the same
+// floats sets each decision's count; rows then keep different lengths). Plus: rows of a shared
+// decision that hold different slots fail the round on the device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -157,7 +159,9 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
   INFO_SCOPE(policy_name(policy), " ", shape.describe(), " batch ", batch, " ", triattn::granularity_name(options.grain),
              options.reduction == triattn::row_reduction::max ? " max" : " mean",
              options.budget == triattn::budget_mode::beyond_prompt ? " beyond_prompt" : " with_prompt",
-             options.protect_prompt ? " protect_prompt" : "", " sinks ", options.sinks, " recent ", options.recent);
+             options.protect_prompt ? " protect_prompt" : "", " sinks ", options.sinks, " recent ", options.recent,
+             " segments ", options.segments, " split ", triattn::budget_split_name(options.split), " floor ",
+             options.split_floor);
   round_case rc(shape, batch, g);
   const device_batch<V> dev(rc.caches);
   const triattn::kv_geometry geo = rc.caches.front().geometry();
@@ -212,6 +216,20 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
   }
 }
 
+/// One policy's round under `options` on a random element type, layout, shape and batch.
+void random_policy_case(policy_kind policy, const triattn::round_options& options, std::mt19937_64& g) {
+  const triattn::dtype type = gpu_dtypes[g() % std::size(gpu_dtypes)];
+  const cache_layout layout = triattn_test::all_layouts[g() % std::size(triattn_test::all_layouts)];
+  triattn_test::cache_shape shape =
+      triattn_test::random_shape(g, layout, type, 1 + static_cast<int>(g() % 8), 1 << (g() % 3));
+  if (type == triattn::dtype::fp8_e4m3 || type == triattn::dtype::fp8_e5m2) shape.k_scale = 0.5f, shape.v_scale = 4.0f;
+  const int batch = 1 + static_cast<int>(g() % 3);
+  if (triattn_test::is_paged(layout))
+    policy_case<triattn::paged_kv_view>(policy, shape, batch, options, g);
+  else
+    policy_case<triattn::dense_kv_view>(policy, shape, batch, options, g);
+}
+
 TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline for every policy, granularity, reduction and budget mode") {
   auto g = triattn_test::rng(21);
   int cases = 0;
@@ -219,25 +237,36 @@ TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline for every policy, granular
     for (const triattn::granularity grain :
          {triattn::granularity::per_layer, triattn::granularity::per_kv_head, triattn::granularity::whole_sequence})
       for (const triattn::row_reduction reduction : {triattn::row_reduction::mean, triattn::row_reduction::max}) {
-        const triattn::dtype type = gpu_dtypes[g() % std::size(gpu_dtypes)];
-        const cache_layout layout = triattn_test::all_layouts[g() % std::size(triattn_test::all_layouts)];
-        triattn_test::cache_shape shape =
-            triattn_test::random_shape(g, layout, type, 1 + static_cast<int>(g() % 8), 1 << (g() % 3));
-        if (type == triattn::dtype::fp8_e4m3 || type == triattn::dtype::fp8_e5m2) shape.k_scale = 0.5f, shape.v_scale = 4.0f;
         triattn::round_options options;
         options.grain = grain;
         options.reduction = reduction;
         options.budget = g() % 2 ? triattn::budget_mode::beyond_prompt : triattn::budget_mode::with_prompt;
         options.protect_prompt = g() % 2 == 0;
         if (g() % 3 == 0) options.sinks = static_cast<std::int64_t>(g() % 6), options.recent = static_cast<std::int64_t>(g() % 6);
-        const int batch = 1 + static_cast<int>(g() % 3);
-        if (triattn_test::is_paged(layout))
-          policy_case<triattn::paged_kv_view>(policy, shape, batch, options, g);
-        else
-          policy_case<triattn::dense_kv_view>(policy, shape, batch, options, g);
+        random_policy_case(policy, options, g);
         ++cases;
       }
   CHECK(cases == static_cast<int>(std::size(all_policies)) * 3 * 2, cases, " cases ran");
+}
+
+TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline under segment quotas and head-adaptive budget splits") {
+  auto g = triattn_test::rng(23);
+  int cases = 0;
+  for (const policy_kind policy : all_policies)
+    for (const triattn::budget_split split :
+         {triattn::budget_split::equal, triattn::budget_split::per_layer, triattn::budget_split::per_sequence}) {
+      triattn::round_options options;
+      options.grain = split == triattn::budget_split::per_layer || g() % 2 ? triattn::granularity::per_layer
+                                                                            : triattn::granularity::per_kv_head;
+      options.split = split;
+      options.split_floor = static_cast<float>(g() % 5) / 4.0f;
+      options.segments = 1 + static_cast<std::int64_t>(g() % 6);
+      options.budget = g() % 2 ? triattn::budget_mode::beyond_prompt : triattn::budget_mode::with_prompt;
+      if (g() % 3 == 0) options.sinks = static_cast<std::int64_t>(g() % 4), options.recent = static_cast<std::int64_t>(g() % 4);
+      random_policy_case(policy, options, g);
+      ++cases;
+    }
+  CHECK(cases == static_cast<int>(std::size(all_policies)) * 3, cases, " cases ran");
 }
 
 TRIATTN_CUDA_TEST("rows of a shared decision that hold different slots fail the round and compact moves nothing") {

@@ -96,30 +96,45 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
   prot.first = std::max(prot.first, options.sinks);
   prot.last = std::max(prot.last, options.recent);
   prot.prompt_length = options.protect_prompt || beyond ? prompt_length : 0;
-  std::vector<std::vector<std::int32_t>> decided;
+  // The CPU pipeline's decisions (core/round.hpp) on the GPU's recorded scores.
+  std::vector<triattn::detail::round_decision> decisions(static_cast<std::size_t>(map.decisions()));
   for (int d = 0; d < map.decisions(); ++d) {
     int l0, h0;
     map.row(d, 0, l0, h0);
     const std::int32_t n = cache.length(l0, h0);
-    std::vector<std::int32_t> positions;
+    auto& dec = decisions[static_cast<std::size_t>(d)];
     std::int64_t prompt_slots = 0;
     for (std::int32_t s = 0; s < n; ++s) {
-      positions.push_back(cache.position(l0, h0, s));
-      prompt_slots += positions.back() < prompt_length ? 1 : 0;
+      dec.positions.push_back(cache.position(l0, h0, s));
+      prompt_slots += dec.positions.back() < prompt_length ? 1 : 0;
+      const bool p = triattn::is_protected(prot, s, n, dec.positions.back());
+      dec.candidate.push_back(p ? 0 : 1);
+      dec.protected_slots += p ? 1 : 0;
     }
-    std::vector<float> acc(static_cast<std::size_t>(n), triattn::row_fold_start(options.reduction));
+    dec.score.assign(static_cast<std::size_t>(n), triattn::row_fold_start(options.reduction));
     for (int r = 0; r < map.rows(); ++r) {
       int l, h;
       map.row(d, r, l, h);
       const float* row = scores + (static_cast<std::int64_t>(l) * g.num_kv_heads + h) * cap;
       for (std::int32_t s = 0; s < n; ++s) {
-        float& a = acc[static_cast<std::size_t>(s)];
+        float& a = dec.score[static_cast<std::size_t>(s)];
         a = triattn::fold_row_score(a, row[s], options.reduction);
       }
     }
-    const std::int64_t k = rule.kept + (beyond ? prompt_slots : 0);
-    decided.push_back(k <= 0 ? std::vector<std::int32_t>{} : triattn::select_keep(acc, positions, prot, k));
+    dec.kept = rule.kept + (beyond ? prompt_slots : 0);
   }
+  if (options.split != triattn::budget_split::equal) {
+    const int per_pool = options.split == triattn::budget_split::per_layer ? g.num_kv_heads : map.decisions();
+    for (int first = 0; first < map.decisions(); first += per_pool) {
+      std::vector<triattn::detail::round_decision*> pool;
+      for (int d = first; d < first + per_pool; ++d) pool.push_back(&decisions[static_cast<std::size_t>(d)]);
+      triattn::detail::split_kept(pool, options.split_floor);
+    }
+  }
+  std::vector<std::vector<std::int32_t>> decided;
+  for (const auto& dec : decisions)
+    decided.push_back(dec.kept <= 0 ? std::vector<std::int32_t>{}
+                                    : triattn::select_keep(dec.score, dec.positions, prot, dec.kept, options.segments));
   keep_rows out;
   for (int l = 0; l < g.num_layers; ++l)
     for (int h = 0; h < g.num_kv_heads; ++h) out.push_back(decided[static_cast<std::size_t>(map.decision_of(l, h))]);

@@ -119,7 +119,10 @@ struct slot_table {
 ///   with `load(const std::byte*, int n, float*)` and `store(std::byte*, int n, const float*)`);
 ///   without them, `dtype_accessor{geometry().type, k_scale or v_scale}`;
 /// - `v.freed_pages(before, after)`: the pages a compaction from `before` to `after` slots
-///   (the largest length over every (layer, kv_head)) released, for the engine's allocator.
+///   (the largest length over every (layer, kv_head)) released, for the engine's allocator;
+/// - `V::equal_lengths` (a `static constexpr bool`): true for a cache whose every (layer,
+///   kv_head) holds the same slots (a cell-based cache such as llama.cpp's, where one cell
+///   holds a token for every layer and head); a round refuses head-adaptive budgets on it.
 template <class V>
 concept KVCacheView = std::is_trivially_copyable_v<V> &&
                       requires(const V v, int l, int h, std::int64_t s, std::int32_t n, const char* api) {
@@ -403,6 +406,16 @@ void store_key(const V& v, int l, int h, std::int64_t s, const float* in) {
 template <KVCacheView V>
 void store_value(const V& v, int l, int h, std::int64_t s, const float* in) {
   value_accessor_of(v, l).store(v.value(l, h, s), v.geometry().head_dim, in);
+}
+
+/// Whether `V` declares that its rows all hold the same slots (the `equal_lengths` hook).
+template <class V>
+constexpr bool holds_equal_lengths() {
+  if constexpr (requires { V::equal_lengths; }) {
+    return V::equal_lengths;
+  } else {
+    return false;
+  }
 }
 
 /// Largest length over every (layer, kv_head).

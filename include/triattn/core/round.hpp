@@ -29,25 +29,33 @@
 ///    budget); a decision whose protected slots or length fit what it keeps is settled
 ///    without scoring; otherwise each row is scored and folded into one score
 ///    per slot (`fold_row_score`: mean or max of the rows, in row order);
-/// 4. `select_keep`: protected slots first, then the best of the rest, ties to the lower slot,
-///    ascending; the keep set goes to every row of the decision.
+/// 4. under a budget split (`budget_split`, head-adaptive budgets), the decisions of a layer or
+///    sequence pool their kept counts and a global top-k over their normalised scores sets each
+///    one's count (`split_kept`); every decision with candidates in a pool that does not fit
+///    is scored in step 3;
+/// 5. `select_keep`: protected slots first, then the best of the rest (by segment quotas when
+///    `segments` > 1), ties to the lower slot, ascending; the keep set goes to every row of
+///    the decision.
 /// `compress` then compacts K, V, positions and the policy's state with that plan. Nothing
 /// moves until every check and every score of the round has succeeded.
 ///
 /// **Threads** (`round_context::parallel`): the rows of step 3 are scored in parallel, each
 /// into its own buffer (the round holds every scored row's scores at once: 4 bytes per slot
-/// per (layer, kv_head), 1/64 of a bf16 cache of head_dim 128); steps 3's fold and 4 run per
-/// decision in parallel, folding rows in row order; compaction runs per (layer, kv_head). The
+/// per (layer, kv_head), 1/64 of a bf16 cache of head_dim 128); step 3's fold and step 5 run per
+/// decision in parallel, step 4 per pool, folding rows in row order; compaction runs per (layer, kv_head). The
 /// row scorer `begin_round` returns is copied once per worker, so it must be copyable and
 /// its `score` may only write its own scratch and the row it is given.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "triattn/core/compaction.hpp"
@@ -80,6 +88,33 @@ enum class budget_mode : std::uint8_t {
   beyond_prompt,  ///< the prompt is always kept, on top of the budget (TensorRT-LLM)
 };
 
+/// How a round splits the budget between the decisions of a sequence (head-adaptive budgets,
+/// Ada-KV, arXiv 2407.11550): `equal` gives each decision the budget; the others pool the
+/// budgets of a group of decisions and split the pool by a global top-k over the decisions'
+/// normalised scores, so that the (layer, kv_head) rows keep different lengths.
+enum class budget_split : std::uint8_t {
+  equal,         ///< every decision keeps the budget
+  per_layer,     ///< the kv heads of a layer pool budget x kv_heads (per_layer granularity only)
+  per_sequence,  ///< every decision of the sequence pools budget x decisions
+};
+
+/// The CLI's names: "equal", "per_layer", "per_sequence".
+constexpr std::string_view budget_split_name(budget_split s) {
+  switch (s) {
+    case budget_split::equal: return "equal";
+    case budget_split::per_layer: return "per_layer";
+    case budget_split::per_sequence: return "per_sequence";
+  }
+  return "?";
+}
+
+/// The split called `name`, or nullopt.
+constexpr std::optional<budget_split> parse_budget_split(std::string_view name) {
+  for (budget_split s : {budget_split::equal, budget_split::per_layer, budget_split::per_sequence})
+    if (budget_split_name(s) == name) return s;
+  return std::nullopt;
+}
+
 /// How a policy's rounds decide, shared by every policy (each config has one as `round`).
 struct round_options {
   granularity grain = granularity::per_layer;
@@ -93,6 +128,15 @@ struct round_options {
   /// of policies holds them equal); 0 leaves the policy's own protection alone.
   std::int64_t sinks = 0;
   std::int64_t recent = 0;
+  /// Segment quotas: a decision's candidates, in slot order, split into this many equal runs,
+  /// each keeping its share of the slots left after protection (`segment_begin`), so that no
+  /// stretch of a long prompt is evicted whole; 1: one top-k over all of them.
+  std::int64_t segments = 1;
+  /// Head-adaptive budgets (`budget_split`). Each decision of a pool first keeps
+  /// `split_floor` x its own share of the pool, best first (Ada-KV's safeguard, 0.2 there);
+  /// the rest of the pool goes to the best normalised scores of the group.
+  budget_split split = budget_split::equal;
+  float split_floor = 0.2f;
 
   /// Whether a round protects the prompt's slots: asked for, or kept on top of the budget.
   TRIATTN_HOST_DEVICE bool keeps_prompt() const { return protect_prompt || budget == budget_mode::beyond_prompt; }
@@ -187,6 +231,26 @@ std::int64_t resolve_round_start(const char* api, const V& view, const round_con
   return ctx.position;
 }
 
+/// A decision's candidate scores normalised for the comparison between decisions: shifted by
+/// the smallest finite one and divided by their sum, a distribution over the candidates (for
+/// attention weights, whose smallest is near 0, Ada-KV's normalisation; any score's scale and
+/// offset drop out). Equal scores share 1 / count; non-finite scores stay as they are.
+TRIATTN_HOST_DEVICE float split_normalised(float x, double lowest, double sum, std::int64_t finite) {
+#if defined(__CUDA_ARCH__)
+  if (!isfinite(x)) return x;
+#else
+  if (!std::isfinite(x)) return x;
+#endif
+  return static_cast<float>(sum > 0.0 ? (static_cast<double>(x) - lowest) / sum : 1.0 / static_cast<double>(finite));
+}
+
+/// The candidates a decision keeps first under a budget split: `floor_share` x its `share`
+/// of the pool, at most its `candidates`.
+TRIATTN_HOST_DEVICE std::int64_t split_floor_count(float floor_share, std::int64_t share, std::int64_t candidates) {
+  const auto f = static_cast<std::int64_t>(static_cast<double>(floor_share) * static_cast<double>(share));  // >= 0: floor
+  return f < candidates ? f : candidates;
+}
+
 namespace detail {
 /// The budget check of a round, made once by its entry point.
 inline void check_budget(const char* api, std::int64_t budget) {
@@ -196,6 +260,111 @@ inline void check_prompt_length(const char* api, const round_context& ctx) {
   TRIATTN_CHECK(ctx.prompt_length >= 0, api, "prompt_length ", ctx.prompt_length, " must be >= 0");
 }
 
+/// Checks the round's options against views of type `V`, naming `api`.
+template <KVCacheView V>
+void check_round_options(const char* api, const round_options& opts) {
+  TRIATTN_CHECK(opts.sinks >= 0 && opts.recent >= 0, api, "round sinks ", opts.sinks, " and recent ", opts.recent,
+                " must be >= 0");
+  TRIATTN_CHECK(opts.segments >= 1 && opts.segments <= max_segments, api, "round segments ", opts.segments,
+                " must be in [1, ", max_segments, "]");
+  if (opts.split == budget_split::equal) return;
+  TRIATTN_CHECK(opts.split == budget_split::per_layer || opts.split == budget_split::per_sequence, api,
+                "budget split ", static_cast<int>(opts.split), " is not a triattn::budget_split");
+  TRIATTN_CHECK(opts.split_floor >= 0.0f && opts.split_floor <= 1.0f, api, "split floor ", opts.split_floor,
+                " must be in [0, 1]");
+  TRIATTN_CHECK(opts.grain != granularity::whole_sequence, api, "budget split ", budget_split_name(opts.split),
+                " needs decisions to split the budget between, but union granularity makes one keep set");
+  TRIATTN_CHECK(opts.split != budget_split::per_layer || opts.grain == granularity::per_layer, api,
+                "budget split per_layer needs per_layer granularity: a ", granularity_name(opts.grain),
+                " decision spans every layer (use per_sequence)");
+  TRIATTN_CHECK(!holds_equal_lengths<V>(), api, "budget split ", budget_split_name(opts.split),
+                " leaves the (layer, kv_head) rows different lengths, which this view cannot hold (equal_lengths)");
+}
+
+/// One decision of a round: its slots' positions, which compete, what it keeps.
+struct round_decision {
+  std::vector<std::int32_t> positions;
+  std::vector<std::uint8_t> candidate;  // 1: competes, 0: protected
+  std::int64_t protected_slots = 0;
+  std::int64_t kept = 0;
+  std::int64_t scores_at = -1;  // offset of its rows' scores, -1: not scored
+  std::vector<float> score;     // [n] folded over its rows, when scored
+  std::int64_t length() const { return std::ssize(positions); }
+  std::int64_t candidates() const { return length() - protected_slots; }
+};
+
+/// The pool of a group of decisions under a budget split: what the protected slots leave of
+/// the kept counts (decisions that keep nothing take no part).
+inline std::int64_t split_pool(std::span<round_decision* const> group) {
+  std::int64_t pool = 0;
+  for (const round_decision* d : group)
+    if (d->kept > 0) pool += d->kept - std::min(d->protected_slots, d->kept);
+  return pool;
+}
+
+/// Whether the decisions of a group keep every slot they hold.
+inline bool split_fits(std::span<round_decision* const> group) {
+  std::int64_t held = 0, kept = 0;
+  for (const round_decision* d : group)
+    if (d->kept > 0) held += d->length(), kept += d->kept;
+  return held <= kept;
+}
+
+/// The kept counts of a group of decisions under a budget split (see `budget_split`): each
+/// keeps its protected slots (at most its kept count), then `floor` x its share of the pool
+/// of its best candidates, and the rest of the pool goes to the group's best normalised scores
+/// (ties to the lower decision, then the lower slot). Only the counts change: each decision's
+/// slots are then chosen by `select_keep` with its new count, the same best candidates.
+inline void split_kept(std::span<round_decision* const> group, float floor_share) {
+  if (split_fits(group)) {
+    for (round_decision* d : group)
+      if (d->kept > 0) d->kept = d->length();
+    return;
+  }
+  std::int64_t rest = split_pool(group);
+  struct item {
+    float score;
+    std::int64_t order;  // group-local decision << 32 | slot
+  };
+  std::vector<item> items;
+  std::vector<std::int64_t> taken(group.size(), 0);
+  for (std::size_t i = 0; i < group.size(); ++i) {
+    round_decision& d = *group[i];
+    if (d.kept <= 0 || d.score.empty()) continue;
+    std::vector<std::int32_t> order;  // its candidates, best first
+    double lowest = INFINITY, sum = 0.0;
+    std::int64_t finite = 0;
+    for (std::int32_t s = 0; s < d.length(); ++s)
+      if (d.candidate[s] != 0) {
+        order.push_back(s);
+        if (std::isfinite(d.score[s])) lowest = std::min<double>(lowest, d.score[s]), ++finite;
+      }
+    for (const std::int32_t s : order)
+      if (std::isfinite(d.score[s])) sum += static_cast<double>(d.score[s]) - lowest;  // slot order
+    std::sort(order.begin(), order.end(),
+              [&](std::int32_t a, std::int32_t b) { return ranks_before(d.score[a], a, d.score[b], b); });
+    const std::int64_t share = d.kept - std::min(d.protected_slots, d.kept);
+    taken[i] = split_floor_count(floor_share, share, std::ssize(order));
+    rest -= taken[i];
+    for (auto s = order.begin() + taken[i]; s != order.end(); ++s)
+      items.push_back({split_normalised(d.score[*s], lowest, sum, finite), static_cast<std::int64_t>(i) << 32 | *s});
+  }
+  const std::int64_t take = std::min<std::int64_t>(rest, std::ssize(items));
+  std::nth_element(items.begin(), items.begin() + take, items.end(),
+                   [](const item& a, const item& b) { return ranks_before(a.score, a.order, b.score, b.order); });
+  for (auto it = items.begin(); it != items.begin() + take; ++it) ++taken[static_cast<std::size_t>(it->order >> 32)];
+  for (std::size_t i = 0; i < group.size(); ++i)
+    if (group[i]->kept > 0) group[i]->kept = std::min(group[i]->protected_slots, group[i]->kept) + taken[i];
+}
+
+/// The group of decision `d` under `opts.split`, and the number of groups.
+inline int split_group(const round_options& opts, const decision_map& map, int d) {
+  return opts.split == budget_split::per_layer ? d / map.num_kv_heads : opts.split == budget_split::per_sequence ? 0 : d;
+}
+inline int split_groups(const round_options& opts, const decision_map& map) {
+  return opts.split == budget_split::per_layer ? map.num_layers : opts.split == budget_split::per_sequence ? 1 : map.decisions();
+}
+
 /// `plan_round` once its entry point has checked the budget, the prompt length and the view
 /// (each once per round; the policy's `begin_round` and the selection rely on them).
 template <class P, KVCacheView V>
@@ -203,8 +372,7 @@ template <class P, KVCacheView V>
 keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, const round_context& ctx,
                          const char* api) {
   const round_options& opts = policy.round();
-  TRIATTN_CHECK(opts.sinks >= 0 && opts.recent >= 0, api, "round sinks ", opts.sinks, " and recent ", opts.recent,
-                " must be >= 0");
+  check_round_options<V>(api, opts);
   const round_info info{resolve_round_start(api, view, ctx), ctx.prompt_length, budget};
   auto rows = policy.begin_round(api, view, info);
 
@@ -216,35 +384,40 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
   const protection prot = rule.prot.joined(opts.protected_slots(ctx.prompt_length));
 
   // Per decision: its protected slots and kept count (serial, one pass over positions).
-  struct decision {
-    std::vector<std::int32_t> positions;
-    std::vector<std::uint8_t> candidate;  // 1: competes, 0: protected
-    std::int64_t kept = 0;
-    std::int64_t scores_at = -1;  // offset of its rows' scores in `scores`, -1: not scored
-  };
-  std::vector<decision> decisions(static_cast<std::size_t>(map.decisions()));
-  std::int64_t score_floats = 0;
+  std::vector<round_decision> decisions(static_cast<std::size_t>(map.decisions()));
   for (int d = 0; d < map.decisions(); ++d) {
     int l0, h0;
     map.row(d, 0, l0, h0);
     const std::int32_t n = view.length(l0, h0);
-    decision& dec = decisions[static_cast<std::size_t>(d)];
+    round_decision& dec = decisions[static_cast<std::size_t>(d)];
     dec.positions.resize(static_cast<std::size_t>(n));
     dec.candidate.resize(static_cast<std::size_t>(n));
-    std::int64_t protected_slots = 0, prompt_slots = 0;
+    std::int64_t prompt_slots = 0;
     for (std::int32_t s = 0; s < n; ++s) {
       dec.positions[s] = view.position(l0, h0, s);
       const bool p = is_protected(prot, s, n, dec.positions[s]);
       dec.candidate[s] = p ? 0 : 1;
-      protected_slots += p ? 1 : 0;
+      dec.protected_slots += p ? 1 : 0;
       prompt_slots += dec.positions[s] < ctx.prompt_length ? 1 : 0;
     }
     dec.kept = rule.kept + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
-    // Scored only when protection alone does not decide and the rows do not fit whole.
-    if (dec.kept > 0 && n > dec.kept && protected_slots < dec.kept) {
-      dec.scores_at = score_floats;
-      score_floats += std::int64_t{map.rows()} * n;
-    }
+  }
+  // The groups of decisions that pool their budgets (one decision each without a split).
+  std::vector<std::vector<round_decision*>> groups(static_cast<std::size_t>(split_groups(opts, map)));
+  for (int d = 0; d < map.decisions(); ++d)
+    groups[static_cast<std::size_t>(split_group(opts, map, d))].push_back(&decisions[static_cast<std::size_t>(d)]);
+  // Scored only when protection alone does not decide and the rows do not fit whole: per
+  // decision, or per pool under a split (where every decision with candidates competes).
+  std::int64_t score_floats = 0;
+  for (const auto& group : groups) {
+    const bool pooled = opts.split != budget_split::equal && !split_fits(group) && split_pool(group) > 0;
+    for (round_decision* dec : group)
+      if (dec->kept > 0 && (pooled ? dec->candidates() > 0
+                                   : opts.split == budget_split::equal && dec->length() > dec->kept &&
+                                         dec->protected_slots < dec->kept)) {
+        dec->scores_at = score_floats;
+        score_floats += std::int64_t{map.rows()} * dec->length();
+      }
   }
 
   // Every scored row into its own part of `scores` [row of decision, slot], in parallel: one
@@ -262,8 +435,8 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
   par(std::ssize(items), [&](std::int64_t i, int worker) {
     const int d = static_cast<int>(items[static_cast<std::size_t>(i)] / map.rows());
     const int r = static_cast<int>(items[static_cast<std::size_t>(i)] % map.rows());
-    const decision& dec = decisions[static_cast<std::size_t>(d)];
-    const auto n = static_cast<std::int64_t>(dec.positions.size());
+    const round_decision& dec = decisions[static_cast<std::size_t>(d)];
+    const std::int64_t n = dec.length();
     int l, h;
     map.row(d, r, l, h);
     scorers[static_cast<std::size_t>(worker)].score(
@@ -271,25 +444,32 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
         std::span<float>(scores.data() + dec.scores_at + r * n, static_cast<std::size_t>(n)));
   });
 
-  // Per decision: fold its rows in row order (the same sums at every thread count), select.
+  // Per decision: fold its rows in row order (the same sums at every thread count); per pool,
+  // the kept counts; per decision, select.
+  par(map.decisions(), [&](std::int64_t d, int) {
+    round_decision& dec = decisions[static_cast<std::size_t>(d)];
+    if (dec.scores_at < 0) return;
+    const std::int64_t n = dec.length();
+    dec.score.assign(static_cast<std::size_t>(n), row_fold_start(opts.reduction));
+    for (int r = 0; r < map.rows(); ++r) {
+      const float* row = scores.data() + dec.scores_at + r * n;
+      for (std::int64_t s = 0; s < n; ++s) dec.score[s] = fold_row_score(dec.score[s], row[s], opts.reduction);
+    }
+  });
+  if (opts.split != budget_split::equal)
+    par(std::ssize(groups), [&](std::int64_t i, int) { split_kept(groups[static_cast<std::size_t>(i)], opts.split_floor); });
   std::vector<std::vector<std::int32_t>> keep(static_cast<std::size_t>(map.decisions()));
   par(map.decisions(), [&](std::int64_t d, int) {
-    const decision& dec = decisions[static_cast<std::size_t>(d)];
-    const auto n = static_cast<std::int64_t>(dec.positions.size());
+    round_decision& dec = decisions[static_cast<std::size_t>(d)];
     std::vector<std::int32_t>& out = keep[static_cast<std::size_t>(d)];
     if (dec.kept <= 0) return;  // a rule may keep nothing (H2O's fractions of a short prompt)
-    if (n <= dec.kept) {
-      out.resize(static_cast<std::size_t>(n));
+    if (dec.length() <= dec.kept) {
+      out.resize(static_cast<std::size_t>(dec.length()));
       std::iota(out.begin(), out.end(), 0);
       return;
     }
-    std::vector<float> acc(static_cast<std::size_t>(n), row_fold_start(opts.reduction));
-    if (dec.scores_at >= 0)
-      for (int r = 0; r < map.rows(); ++r) {
-        const float* row = scores.data() + dec.scores_at + r * n;
-        for (std::int64_t s = 0; s < n; ++s) acc[s] = fold_row_score(acc[s], row[s], opts.reduction);
-      }
-    out = select_keep_unchecked(acc, dec.positions, prot, dec.kept);
+    if (dec.score.empty()) dec.score.assign(static_cast<std::size_t>(dec.length()), row_fold_start(opts.reduction));
+    out = select_keep_unchecked(dec.score, dec.positions, prot, dec.kept, opts.segments);
   });
 
   keep_plan plan(g.num_layers, g.num_kv_heads);
@@ -362,6 +542,24 @@ inline std::int64_t scheduled_budget(const round_options& opts, std::int64_t bud
   return opts.budget == budget_mode::beyond_prompt ? budget + ctx.prompt_length : budget;
 }
 
+/// The length `sched` compares with the budget: the longest row, or under a budget split the
+/// largest mean length of a pool (rounded up), whose rows may each hold more than the budget.
+template <KVCacheView V>
+std::int64_t scheduled_length(const V& view, const round_options& opts) {
+  if (opts.split == budget_split::equal) return max_length(view);
+  const kv_geometry& g = view.geometry();
+  const int pools = opts.split == budget_split::per_layer ? g.num_layers : 1;
+  const std::int64_t rows = std::int64_t{g.num_layers} * g.num_kv_heads / pools;
+  std::int64_t longest = 0;
+  for (int p = 0; p < pools; ++p) {
+    std::int64_t held = 0;
+    for (std::int64_t r = p * rows; r < (p + 1) * rows; ++r)
+      held += view.length(static_cast<int>(r / g.num_kv_heads), static_cast<int>(r % g.num_kv_heads));
+    longest = std::max(longest, (held + rows - 1) / rows);
+  }
+  return longest;
+}
+
 /// Runs a round when the policy's schedule says so for a cache at `ctx.position` (the number
 /// of tokens processed so far, which must be given). Returns whether a round ran; freed pages
 /// (views with a `freed_pages` hook) are appended to `freed` if given.
@@ -374,7 +572,8 @@ bool maybe_compress(P& policy, const V& view, std::int64_t budget, const round_c
   view.validate(api);  // max_length reads the lengths: check the view first
   detail::check_budget(api, budget);
   const round_options& opts = policy.round();
-  if (!opts.sched.fires(max_length(view), scheduled_budget(opts, budget, ctx), ctx.position, ctx.prompt_length))
+  if (!opts.sched.fires(scheduled_length(view, opts), scheduled_budget(opts, budget, ctx), ctx.position,
+                        ctx.prompt_length))
     return false;
   // The round proper, as `compress` runs it, without checking the budget and the view again.
   const char* round_api = "triattn::compress";

@@ -43,21 +43,42 @@ TRIATTN_HOST_DEVICE std::uint32_t rank_key(float score, bool protected_slot) {
   return ~ordered;
 }
 
+/// Segment quotas (`round_options::segments`): the m candidates of a decision, in slot order,
+/// split into `segments` equal runs; run j holds candidates [segment_begin(j), segment_begin(j +
+/// 1)) and keeps `quota_begin(j + 1) - quota_begin(j)` of the `r` slots left to choose, its
+/// share of them. Quotas follow the runs' cumulative sizes, so no run is asked for more slots
+/// than it holds (r <= m) and the quotas sum to r exactly. Shared by the CPU and CUDA paths.
+/// The most segments a round takes: 8 spread a long prompt's evictions (field-2026.md); a bound
+/// keeps the per-run loops short on both paths.
+inline constexpr std::int64_t max_segments = 65536;
+TRIATTN_HOST_DEVICE std::int64_t segment_begin(std::int64_t j, std::int64_t m, std::int64_t segments) {
+  return j * m / segments;
+}
+TRIATTN_HOST_DEVICE std::int64_t quota_begin(std::int64_t j, std::int64_t m, std::int64_t segments, std::int64_t r) {
+  return m == 0 ? 0 : segment_begin(j, m, segments) * r / m;
+}
+
 /// Top-`k` of `scores` restricted to the slots where `candidate` is true (all slots when
-/// `candidate` is empty). Appends the chosen slot indices to `out` and returns how many were
-/// chosen (min(k, candidates)). The appended indices are NOT sorted; callers sort once after
-/// merging protected slots (see `select_keep`).
+/// `candidate` is empty), split into `segments` runs that each keep their quota (see
+/// `segment_begin`; 1: one global top-k). Appends the chosen slot indices to `out` and returns
+/// how many were chosen (min(k, candidates)). The appended indices are NOT sorted; callers
+/// sort once after merging protected slots (see `select_keep`).
 inline std::int64_t top_k_append(std::span<const float> scores, std::int64_t k, std::span<const bool> candidate,
-                                 std::vector<std::int32_t>& out) {
+                                 std::vector<std::int32_t>& out, std::int64_t segments = 1) {
   // One 64-bit key per candidate, `rank_key` above the slot: ascending keys are `ranks_before`
   // order, ties to the lower slot, so the selection compares integers in one array.
   std::vector<std::uint64_t> keys;
   keys.reserve(scores.size());
   for (std::size_t i = 0; i < scores.size(); ++i)
     if (candidate.empty() || candidate[i]) keys.push_back(std::uint64_t{rank_key(scores[i], false)} << 32 | i);
-  const std::int64_t take = std::clamp<std::int64_t>(k, 0, static_cast<std::int64_t>(keys.size()));
-  std::nth_element(keys.begin(), keys.begin() + take, keys.end());
-  for (std::int64_t i = 0; i < take; ++i) out.push_back(static_cast<std::int32_t>(keys[static_cast<std::size_t>(i)] & 0xffffffffu));
+  const auto m = static_cast<std::int64_t>(keys.size());
+  const std::int64_t take = std::clamp<std::int64_t>(k, 0, m);
+  for (std::int64_t j = 0; j < segments; ++j) {  // keys are in slot order: each run is a subrange
+    const auto first = keys.begin() + segment_begin(j, m, segments), last = keys.begin() + segment_begin(j + 1, m, segments);
+    const auto quota = quota_begin(j + 1, m, segments, take) - quota_begin(j, m, segments, take);
+    std::nth_element(first, first + quota, last);
+    for (auto it = first; it != first + quota; ++it) out.push_back(static_cast<std::int32_t>(*it & 0xffffffffu));
+  }
   return take;
 }
 
@@ -190,7 +211,7 @@ namespace detail {
 /// once per round, and passes every position).
 inline std::vector<std::int32_t> select_keep_unchecked(std::span<const float> scores,
                                                        std::span<const std::int32_t> positions, const protection& prot,
-                                                       std::int64_t budget) {
+                                                       std::int64_t budget, std::int64_t segments = 1) {
   const auto n = static_cast<std::int64_t>(scores.size());
   std::vector<std::int32_t> out;
   if (budget >= n) {
@@ -205,24 +226,26 @@ inline std::vector<std::int32_t> select_keep_unchecked(std::span<const float> sc
     if (prot_s && static_cast<std::int64_t>(out.size()) < budget) out.push_back(static_cast<std::int32_t>(s));
   }
   top_k_append(scores, budget - static_cast<std::int64_t>(out.size()), {candidate.get(), static_cast<std::size_t>(n)},
-               out);
+               out, segments);
   std::sort(out.begin(), out.end());
   return out;
 }
 }  // namespace detail
 
 /// Keep set of one (layer, kv_head) or one shared decision: protected slots first (if they
-/// alone exceed the budget, the lowest protected slots), then the best-scoring of the rest.
-/// `positions` [n] may be empty when `prot.prompt_length` is 0. Returns min(budget, n) slots,
-/// ascending.
+/// alone exceed the budget, the lowest protected slots), then the best-scoring of the rest,
+/// each of `segments` runs of them keeping its quota (see `segment_begin`). `positions` [n]
+/// may be empty when `prot.prompt_length` is 0. Returns min(budget, n) slots, ascending.
 inline std::vector<std::int32_t> select_keep(std::span<const float> scores, std::span<const std::int32_t> positions,
-                                             const protection& prot, std::int64_t budget) {
+                                             const protection& prot, std::int64_t budget, std::int64_t segments = 1) {
   const char* api = "triattn::select_keep";
   TRIATTN_CHECK(budget >= 1, api, "budget ", budget, " must be >= 1");
+  TRIATTN_CHECK(segments >= 1 && segments <= max_segments, api, "segments ", segments, " must be in [1, ",
+                max_segments, "]");
   const auto n = static_cast<std::int64_t>(scores.size());
   TRIATTN_CHECK(prot.prompt_length == 0 || static_cast<std::int64_t>(positions.size()) == n, api, "positions holds ",
                 positions.size(), " slots, expected ", n);
-  return detail::select_keep_unchecked(scores, positions, prot, budget);
+  return detail::select_keep_unchecked(scores, positions, prot, budget, segments);
 }
 
 TRIATTN_NAMESPACE_END

@@ -25,8 +25,12 @@
 ///    decision's protection and kept count from the scorer's rule, the prompt and the
 ///    sequence's budget (`budget_mode::beyond_prompt` adds the prompt's slots, counted with
 ///    `cub::BlockReduce`);
-/// 3. `select_keep` per decision (select.cuh), with its own kept count and protection;
-/// 4. shared granularities: each decision's keep set is copied to every row it covers.
+/// 3. under a budget split (head-adaptive budgets), each pool's decisions are ranked by their
+///    own scores, their candidates normalised and sorted across the pool, and each decision's
+///    kept count set from what it takes (`split_items`, `split_counts`: the CPU's `split_kept`);
+/// 4. `select_keep` per decision (select.cuh), with its own kept count and protection, and
+///    `round_options::segments` runs of quotas;
+/// 5. shared granularities: each decision's keep set is copied to every row it covers.
 /// `compact` (compact.cuh) then applies the plan; given the round's status word, it moves
 /// nothing when any step failed.
 #pragma once
@@ -66,6 +70,9 @@ struct device_round {
   bool prompt_kept = false;    ///< the prompt's slots are protected (protect_prompt or beyond_prompt)
   bool beyond_prompt = false;  ///< a decision keeps the prompt's slots on top of its budget
   std::int64_t sinks = 0, recent = 0;  ///< `round_options::sinks` and `recent`
+  std::int64_t segments = 1;           ///< `round_options::segments`
+  budget_split split = budget_split::equal;
+  float split_floor = 0.2f;
 
   /// Sequence `b`'s round, as the CPU's `round_info`.
   TRIATTN_HOST_DEVICE round_info info(int b) const {
@@ -180,7 +187,129 @@ inline cudaError_t check_round_options(const char* api, const round_options& o) 
     return reject(api, "budget mode ", static_cast<int>(o.budget), " is not a triattn::budget_mode");
   if (o.sinks < 0 || o.recent < 0)
     return reject(api, "round sinks ", o.sinks, " and recent ", o.recent, " must be >= 0");
+  if (o.segments < 1 || o.segments > max_segments)
+    return reject(api, "round segments ", o.segments, " must be in [1, ", max_segments, "]");
+  if (o.split == budget_split::equal) return cudaSuccess;
+  if (o.split != budget_split::per_layer && o.split != budget_split::per_sequence)
+    return reject(api, "budget split ", static_cast<int>(o.split), " is not a triattn::budget_split");
+  if (!(o.split_floor >= 0.0f && o.split_floor <= 1.0f))
+    return reject(api, "split floor ", o.split_floor, " must be in [0, 1]");
+  if (o.grain == granularity::whole_sequence)
+    return reject(api, "budget split ", budget_split_name(o.split),
+                  " needs decisions to split the budget between, but union granularity makes one keep set");
+  if (o.split == budget_split::per_layer && o.grain != granularity::per_layer)
+    return reject(api, "budget split per_layer needs per_layer granularity: a ", granularity_name(o.grain),
+                  " decision spans every layer (use per_sequence)");
   return cudaSuccess;
+}
+
+/// Decisions per pool of a budget split (a layer's kv heads, or a sequence's decisions).
+inline int pool_decisions(const device_round& round) {
+  return round.split == budget_split::per_layer ? round.map.num_kv_heads : round.map.decisions();
+}
+
+/// A budget split, step 1: one block per decision (after the per-decision rank order, with
+/// one run). Its candidates' normalisation (`split_normalised`: the smallest finite score and
+/// the shifted sum, in double), its share of the pool and floor; and one pool-sort key per
+/// candidate of its order, `rank << (pool_bits + slot_bits) | decision in pool << slot_bits |
+/// i` (i: its place in the decision's order; the floor's keys rank 0, first); unused entries
+/// get the largest key. Block 0 of each pool writes the pool's sort bounds.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    split_items(select_segments seg, rank_order order, float floor_share, int per_pool, int pool_bits,
+                std::uint64_t* pool_keys, std::int64_t* share, int* pool_begin, int* pool_end) {
+  using reduce_f = cub::BlockReduce<float, Threads>;
+  using reduce_d = cub::BlockReduce<double, Threads>;
+  using reduce_i = cub::BlockReduce<int, Threads>;
+  __shared__ union {
+    typename reduce_f::TempStorage f;
+    typename reduce_d::TempStorage d;
+    typename reduce_i::TempStorage i;
+  } temp;
+  __shared__ float lowest_shared;
+  __shared__ double sum_shared;
+  __shared__ int finite_shared;
+  const int s = static_cast<int>(blockIdx.x);
+  const std::int64_t n = seg.lengths[s], row = static_cast<std::int64_t>(s) * seg.capacity;
+  const std::int64_t protected_slots = order.protected_count[s], m = n - protected_slots;
+  const std::int64_t k = seg.budgets[s];
+  const std::uint64_t slot_mask = (std::uint64_t{1} << order.slot_bits) - 1;
+  const auto score_of = [&](std::int64_t i) { return seg.scores[row + (order.sorted[row + protected_slots + i] & slot_mask)]; };
+  float low = INFINITY;
+  int finite = 0;
+  for (std::int64_t i = threadIdx.x; i < m; i += Threads) {
+    const float x = score_of(i);
+    if (isfinite(x)) low = x < low ? x : low, ++finite;
+  }
+  const float lowest = reduce_f(temp.f).Reduce(low, [](float a, float b) { return b < a ? b : a; });
+  __syncthreads();
+  const int finite_total = reduce_i(temp.i).Sum(finite);
+  if (threadIdx.x == 0) lowest_shared = lowest, finite_shared = finite_total;
+  __syncthreads();
+  double part = 0.0;
+  for (std::int64_t i = threadIdx.x; i < m; i += Threads) {
+    const float x = score_of(i);
+    if (isfinite(x)) part += static_cast<double>(x) - static_cast<double>(lowest_shared);
+  }
+  const double sum = reduce_d(temp.d).Sum(part);
+  if (threadIdx.x == 0) sum_shared = sum;
+  __syncthreads();
+  const std::int64_t mine = k > 0 ? k - (protected_slots < k ? protected_slots : k) : 0;
+  const std::int64_t floor = k > 0 ? split_floor_count(floor_share, mine, m) : 0;
+  const auto local = static_cast<std::uint64_t>(s % per_pool);
+  for (std::int64_t i = threadIdx.x; i < seg.capacity; i += Threads) {
+    std::uint64_t key = ~std::uint64_t{0};
+    if (k > 0 && i < m) {
+      const float x = split_normalised(score_of(i), lowest_shared, sum_shared, finite_shared);
+      key = static_cast<std::uint64_t>(rank_key(x, i < floor)) << (pool_bits + order.slot_bits) |
+            local << order.slot_bits | static_cast<std::uint64_t>(i);
+    }
+    pool_keys[row + i] = key;
+  }
+  if (threadIdx.x == 0) {
+    share[s] = mine;
+    if (local == 0) {
+      pool_begin[s / per_pool] = static_cast<int>(row);
+      pool_end[s / per_pool] = static_cast<int>(row + std::int64_t{per_pool} * seg.capacity);
+    }
+  }
+}
+
+/// A budget split, step 2: one block per pool (after the pool sort). The pool takes the first
+/// min(pool, candidates) keys: the floors, then the best normalised scores; each decision's
+/// kept count becomes its protected slots (at most its count) plus what it took, or its whole
+/// length when the pool's slots fit its counts. `taken` [decisions] starts at 0.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    split_counts(select_segments seg, rank_order order, int per_pool, int pool_bits, const std::uint64_t* pool_sorted,
+                 const std::int64_t* share, int* taken, std::int32_t* budgets) {
+  __shared__ std::int64_t take_shared;
+  __shared__ bool fits_shared;
+  const int pool = static_cast<int>(blockIdx.x), first = pool * per_pool;
+  if (threadIdx.x == 0) {
+    std::int64_t held = 0, kept = 0, rest = 0, candidates = 0;
+    for (int d = first; d < first + per_pool; ++d)
+      if (budgets[d] > 0) {
+        held += seg.lengths[d];
+        kept += budgets[d];
+        rest += share[d];
+        candidates += seg.lengths[d] - order.protected_count[d];
+      }
+    fits_shared = held <= kept;
+    take_shared = rest < candidates ? rest : candidates;
+  }
+  __syncthreads();
+  const std::uint64_t pool_mask = (std::uint64_t{1} << pool_bits) - 1;
+  const std::int64_t base = static_cast<std::int64_t>(first) * seg.capacity;
+  for (std::int64_t t = threadIdx.x; t < take_shared && !fits_shared; t += Threads)
+    atomicAdd(&taken[first + static_cast<int>(pool_sorted[base + t] >> order.slot_bits & pool_mask)], 1);
+  __syncthreads();
+  for (int d = first + static_cast<int>(threadIdx.x); d < first + per_pool; d += Threads) {
+    const std::int32_t k = budgets[d];
+    if (k <= 0) continue;
+    const std::int32_t p = order.protected_count[d];
+    budgets[d] = fits_shared ? seg.lengths[d] : (p < k ? p : k) + taken[d];
+  }
 }
 
 }  // namespace detail
@@ -189,8 +318,12 @@ inline cudaError_t check_round_options(const char* api, const round_options& o) 
 template <KVCacheView V>
 device_round make_device_round(const view_batch<V>& batch, const round_options& options, const round_inputs& inputs) {
   const kv_geometry& g = batch.geometry;
-  return {inputs, decision_map{options.grain, g.num_layers, g.num_kv_heads}, options.reduction,
-          options.keeps_prompt(), options.budget == budget_mode::beyond_prompt, options.sinks, options.recent};
+  return {inputs,          decision_map{options.grain, g.num_layers, g.num_kv_heads},
+          options.reduction, options.keeps_prompt(),
+          options.budget == budget_mode::beyond_prompt,
+          options.sinks,   options.recent,
+          options.segments, options.split,
+          options.split_floor};
 }
 
 /// The keep plan of one round of `scorer` over every sequence of `batch`: the CPU's
@@ -204,7 +337,9 @@ device_round make_device_round(const view_batch<V>& batch, const round_options& 
 /// common.cuh). Device failures go to `status` (required, zeroed by the caller): a
 /// non-finite key, rows of a shared decision that hold different slots (`unequal_rows`), a
 /// budget < 1 or a kept count above the stride (`bad_budget`); `compact` given that word then
-/// moves nothing. At most 65535 decisions per batch (`select_keep`'s grid).
+/// moves nothing. Under a budget split (`round_options::split`) a decision may keep every slot
+/// it holds: `plan.stride` must hold the capacity, and the rows of a pool keep different
+/// lengths.
 template <class Scorer, KVCacheView V>
   requires device_scorer<Scorer, V>
 cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view_batch<V>& batch,
@@ -214,6 +349,13 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   if (const cudaError_t err = detail::check_batch(api, batch); err != cudaSuccess) return err;
   if (const cudaError_t err = detail::check_round_options(api, options); err != cudaSuccess) return err;
   if (plan.stride < 1) return detail::reject(api, "keep plan stride ", plan.stride, " must be >= 1");
+  const bool split = options.split != budget_split::equal;
+  if (split && holds_equal_lengths<V>())
+    return detail::reject(api, "budget split ", budget_split_name(options.split),
+                          " leaves the (layer, kv_head) rows different lengths, which this view cannot hold (equal_lengths)");
+  if (split && plan.stride < batch.capacity)
+    return detail::reject(api, "keep plan stride ", plan.stride, " must hold the capacity ", batch.capacity,
+                          " under a budget split: a decision may keep every slot it holds");
   const device_round round = make_device_round(batch, options, inputs);
   const kv_geometry& g = batch.geometry;
   const bool shared = round.map.rows() > 1;
@@ -237,7 +379,36 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   if (err != cudaSuccess) return err;
   void* scorer_ws = ws.take<std::byte>(scorer_bytes);
   const select_segments seg{seg_scores, seg_lengths, seg_positions, static_cast<int>(decisions),
-                            batch.capacity, seg_budgets, seg_prot};
+                            batch.capacity, seg_budgets, seg_prot, options.segments};
+  // A budget split: the decisions' own rank order (one run), the pool keys and their sort.
+  const int per_pool = detail::pool_decisions(round), pools = static_cast<int>(decisions / per_pool);
+  const int pool_bits = detail::bits_for(per_pool);
+  select_segments by_rank = seg;
+  by_rank.runs = 1;
+  detail::rank_order order;
+  std::uint64_t* pool_keys = nullptr;
+  std::uint64_t* pool_sorted = nullptr;
+  std::int64_t* share = nullptr;
+  int *taken = nullptr, *pool_begin = nullptr, *pool_end = nullptr;
+  void* pool_tmp = nullptr;
+  std::size_t pool_bytes = 0;
+  if (split) {
+    if (32 + pool_bits + detail::bits_for(batch.capacity) > 64)
+      return detail::reject(api, "budget split over ", per_pool, " decisions of capacity ", batch.capacity,
+                            " needs more than the 32 bits a 64-bit sort key leaves for them");
+    if ((err = order.carve(ws, by_rank, stream)) != cudaSuccess) return err;
+    pool_keys = ws.take<std::uint64_t>(segs * cap);
+    pool_sorted = ws.take<std::uint64_t>(segs * cap);
+    share = ws.take<std::int64_t>(segs);
+    taken = ws.take<int>(segs);
+    pool_begin = ws.take<int>(static_cast<std::size_t>(pools));
+    pool_end = ws.take<int>(static_cast<std::size_t>(pools));
+    err = cub::DeviceSegmentedRadixSort::SortKeys(nullptr, pool_bytes, pool_keys, pool_sorted,
+                                                  static_cast<int>(segs * cap), pools, pool_begin, pool_end, 0,
+                                                  32 + pool_bits + order.slot_bits, stream);
+    if (err != cudaSuccess) return err;
+    pool_tmp = ws.take<std::byte>(pool_bytes);
+  }
   std::size_t select_bytes = 0;
   if ((err = select_keep(nullptr, select_bytes, seg, {}, plan.stride, seg_keep, seg_kept, stream)) != cudaSuccess)
     return err;
@@ -252,6 +423,21 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   detail::round_decide<threads><<<static_cast<unsigned>(decisions), threads, 0, stream>>>(
       batch, scorer, round, plan.stride, scores, seg_scores, seg_positions, seg_lengths, seg_budgets, seg_prot, status);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (split) {  // the decisions' kept counts from their pool (core/round.hpp, `split_kept`)
+    if ((err = order.run(by_rank, {}, stream)) != cudaSuccess) return err;
+    detail::split_items<threads><<<static_cast<unsigned>(decisions), threads, 0, stream>>>(
+        by_rank, order, options.split_floor, per_pool, pool_bits, pool_keys, share, pool_begin, pool_end);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    std::size_t bytes = pool_bytes;
+    err = cub::DeviceSegmentedRadixSort::SortKeys(pool_tmp, bytes, pool_keys, pool_sorted, static_cast<int>(segs * cap),
+                                                  pools, pool_begin, pool_end, 0, 32 + pool_bits + order.slot_bits,
+                                                  stream);
+    if (err != cudaSuccess) return err;
+    if ((err = cudaMemsetAsync(taken, 0, segs * sizeof(int), stream)) != cudaSuccess) return err;
+    detail::split_counts<threads><<<static_cast<unsigned>(pools), threads, 0, stream>>>(
+        by_rank, order, per_pool, pool_bits, pool_sorted, share, taken, seg_budgets);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   if ((err = select_keep(select_ws, select_bytes, seg, {}, plan.stride, seg_keep, seg_kept, stream)) != cudaSuccess)
     return err;
   if (!shared) return cudaSuccess;
