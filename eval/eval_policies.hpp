@@ -46,6 +46,7 @@ class recent_window : public triattn::policy_base<recent_window> {
 struct row_setting {
   triattn::schedule sched = triattn::schedule::every_step();
   std::optional<triattn::round_protocol> protocol;
+  std::optional<triattn::round_selection> selection;  ///< a row's `+seg<S>`, `+split_...` suffixes
 };
 
 /// `--protocol`'s value: `own` (each policy's defaults: std::nullopt), or a comma list of
@@ -92,6 +93,7 @@ inline triattn::policy_inputs inputs_for(const triattn::query_stats* stats, cons
   in.stats = stats;
   in.sched = setting.sched;
   in.protocol = setting.protocol;
+  in.selection = setting.selection;
   return in;
 }
 
@@ -215,9 +217,46 @@ inline std::optional<eval_policy> parametric_policy(const std::string& name) {
   return std::nullopt;
 }
 
-/// The row called `name`: one of `all_policies()` or an extension (`extension_policy`); throws
-/// usage_error listing the known names otherwise.
+/// `row` with the selection of `suffixes`, each `+seg<S>` (segment quotas), `+split_layer` /
+/// `+split_seq` (head-adaptive budgets per layer / per sequence) or `+floor<F>` (the split's
+/// floor); e.g. `snapkv+seg8`, `triattention+split_seq+floor0.5`. Throws usage_error naming
+/// the suffix. The references `random` and `window` choose by draw or position and take none.
+inline eval_policy with_selection(eval_policy row, const std::string& suffixes) {
+  if (row.name == random_eviction::name || row.name == recent_window::name || row.name == triattn::full_name)
+    throw usage_error{"policy " + row.name + suffixes + ": " + row.name + " takes no selection suffix"};
+  triattn::round_selection sel;
+  for (std::string_view rest = suffixes; !rest.empty();) {
+    rest.remove_prefix(1);  // the '+'
+    const std::string part(rest.substr(0, rest.find('+')));
+    rest.remove_prefix(part.size());
+    if (part.starts_with("seg")) {
+      sel.segments = parse_int("policy " + row.name + suffixes + " suffix +seg", part.substr(3), 1);
+    } else if (part == "split_layer" || part == "split_seq") {
+      sel.split = part == "split_layer" ? triattn::budget_split::per_layer : triattn::budget_split::per_sequence;
+    } else if (part.starts_with("floor")) {
+      sel.split_floor =
+          static_cast<float>(parse_double("policy " + row.name + suffixes + " suffix +floor", part.substr(5), 0.0, 1.0));
+    } else {
+      throw usage_error{"policy " + row.name + suffixes + ": unknown suffix +" + part +
+                        " (known: +seg<S>, +split_layer, +split_seq, +floor<F>)"};
+    }
+  }
+  row.name += suffixes;
+  row.make = [make = std::move(row.make), sel](const triattn::query_stats* s, std::uint64_t seed,
+                                               const row_setting& setting) {
+    row_setting with = setting;
+    with.selection = sel;
+    return make(s, seed, with);
+  };
+  return row;
+}
+
+/// The row called `name`: one of `all_policies()` or an extension (`extension_policy`), with
+/// any selection suffixes (`with_selection`); throws usage_error listing the known names
+/// otherwise.
 inline eval_policy find_eval_policy(const std::string& name) {
+  if (const auto plus = name.find('+'); plus != std::string::npos)
+    return with_selection(find_eval_policy(name.substr(0, plus)), name.substr(plus));
   for (eval_policy& p : all_policies())
     if (p.name == name) return p;
   if (std::optional<eval_policy> e = parametric_policy(name)) return *e;
@@ -225,7 +264,8 @@ inline eval_policy find_eval_policy(const std::string& name) {
   for (const eval_policy& p : all_policies()) names += (names.empty() ? "" : ", ") + p.name;
   throw usage_error{"unknown policy " + name + " (known: " + names +
                     ", and triattention_o<N>, triattention_per_layer_o<N>, triattention_vp<F>, triattention_red<D>, "
-                    "triattention_ema<B>)"};
+                    "triattention_ema<B>; any of them + selection suffixes: +seg<S>, +split_layer, +split_seq, "
+                    "+floor<F>)"};
 }
 
 }  // namespace triattn_eval

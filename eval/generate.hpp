@@ -150,7 +150,7 @@ inline int run_generate(int argc, char** argv) {
   triattn_runner::batch_decoder decoder(
       tm.model(), o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
   const generation g = generate_answer(
-      tm, prompt, policy.make(stats ? &*stats : nullptr, 0, {triattn::schedule::with_slack(o.slack), o.protocol}), o,
+      tm, prompt, policy.make(stats ? &*stats : nullptr, 0, {triattn::schedule::with_slack(o.slack), o.protocol, {}}), o,
       generate_capacity(o, P, context), decoder);
   const std::string answer = tm.decode(g.answer);
   std::fwrite(answer.data(), 1, answer.size(), stdout);

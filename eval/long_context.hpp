@@ -125,7 +125,7 @@ struct policy_set {
   const triattn::query_stats* stats_ptr() const { return stats ? &*stats : nullptr; }
   /// Row `p`'s policy for one sequence (`seed`: see `row_seed`) on `sched`, under the protocol.
   triattn::any_policy make(std::size_t p, std::uint64_t seed, const triattn::schedule& sched) const {
-    return *policies[p].make(stats_ptr(), seed, {sched, protocol});
+    return *policies[p].make(stats_ptr(), seed, {sched, protocol, {}});
   }
 };
 

@@ -359,7 +359,7 @@ class evaluator {
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
       const std::int64_t budget = o_.budgets[jobs_[j].budget];
       runner r(m_, sched_.peak_tokens(budget),
-               policies_[jobs_[j].policy].make(stats_, seed_of(j, w), {sched_, {}}), budget);
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, w), {sched_, {}, {}}), budget);
       window_sums& s = sums_[j * windows_.size() + w];
       for (std::int64_t t = 0; t < T; ++t) {
         const bool scored = r.compressed() && t + 1 < T;  // compressed before this step's forward
@@ -409,7 +409,7 @@ class evaluator {
     for (std::size_t j = 0; j < jobs_.size(); ++j) {
       const std::int64_t budget = o_.budgets[jobs_[j].budget];
       runner r(m_, std::max(sched_.peak_tokens(budget), std::int64_t{1}),
-               policies_[jobs_[j].policy].make(stats_, seed_of(j, task), {sched_, {}}), budget);
+               policies_[jobs_[j].policy].make(stats_, seed_of(j, task), {sched_, {}, {}}), budget);
       const std::vector<int> out = generate(r, prompt);
       std::size_t k = 0;
       while (k < out.size() && out[k] == reference[k]) ++k;
@@ -582,7 +582,7 @@ int run_logits(int argc, char** argv) {
   const auto n = static_cast<std::int64_t>(tokens.size());
   const triattn::schedule sched = triattn::schedule::with_slack(slack);
   runner r(m.model(), compressing ? std::min(n, sched.peak_tokens(budget)) : n,
-           p->make(stats ? &*stats : nullptr, 0, {sched, protocol}), budget);
+           p->make(stats ? &*stats : nullptr, 0, {sched, protocol, {}}), budget);
   std::vector<float> logits(static_cast<std::size_t>(n * vocab));
   for (std::int64_t i = 0; i < n; ++i) {
     const std::span<const float> l = r.step(static_cast<int>(tokens[static_cast<std::size_t>(i)]));

@@ -41,11 +41,21 @@ class compressed_session {
  public:
   compressed_session(const model& m, std::int64_t capacity, std::optional<triattn::any_policy> policy,
                      std::int64_t budget, triattn::dtype cache_type = triattn::dtype::f32)
-      : cache_(m, capacity, cache_type), policy_(std::move(policy)), budget_(budget) {
+      : cache_(m, capacity_for(m, capacity, policy, budget), cache_type), policy_(std::move(policy)), budget_(budget) {
     if (policy_) {
       policy_->attach(cache_.view());
       cache_.set_observer(&feed_.emplace(*policy_));
     }
+  }
+  /// `capacity`, plus what a budget split lets one row keep beyond `budget`: a pool's rows may
+  /// each hold up to the pool's budget (`triattn::row_budget`).
+  static std::int64_t capacity_for(const model& m, std::int64_t capacity, const std::optional<triattn::any_policy>& p,
+                                   std::int64_t budget) {
+    if (!p || p->round().split == triattn::budget_split::equal) return capacity;
+    triattn::kv_geometry g;
+    g.num_layers = m.config().n_layers;
+    g.num_kv_heads = m.config().n_kv_heads;
+    return capacity + triattn::row_budget(p->round(), g, budget) - budget;
   }
   compressed_session(const compressed_session&) = delete;
   compressed_session& operator=(const compressed_session&) = delete;

@@ -225,10 +225,10 @@ triattn::query_stats load_or_calibrate(const triattn_runner::model& m, const tri
 }
 
 void print_table(const std::vector<run_result>& results) {
-  std::printf("\n%-16s %6s %12s %12s %7s %7s %10s %9s\n", "policy", "tokens", "peak KV", "full KV", "saved", "rounds",
+  std::printf("\n%-18s %6s %12s %12s %7s %7s %10s %9s\n", "policy", "tokens", "peak KV", "full KV", "saved", "rounds",
               "mean KL", "wall");
   for (const run_result& r : results)
-    std::printf("%-16s %6d %8.1f KiB %8.1f KiB %6.1f%% %7d %10.5f %6.1f ms\n", r.policy.c_str(), r.tokens,
+    std::printf("%-18s %6d %8.1f KiB %8.1f KiB %6.1f%% %7d %10.5f %6.1f ms\n", r.policy.c_str(), r.tokens,
                 kib(r.peak_bytes), kib(r.full_bytes), saved_percent(r), r.rounds, r.mean_kl, 1e3 * r.seconds);
 }
 

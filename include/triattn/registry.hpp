@@ -168,6 +168,14 @@ struct round_protocol {
   std::int64_t recent = 0;
 };
 
+/// How every policy of a comparison selects (`policy_inputs::selection`): the round's segment
+/// quotas and head-adaptive budgets (`round_options::segments`, `split`, `split_floor`).
+struct round_selection {
+  std::int64_t segments = 1;
+  budget_split split = budget_split::equal;
+  float split_floor = 0.2f;
+};
+
 /// What some policies need besides the cache, and the caller's overrides.
 struct policy_inputs {
   const query_stats* stats = nullptr;  ///< TriAttention's calibration statistics
@@ -182,6 +190,8 @@ struct policy_inputs {
   /// When set, the protection every round applies, the same for every policy (triattn_eval's
   /// harmonised setting); unset, each policy keeps its own defaults.
   std::optional<round_protocol> protocol;
+  /// When set, the selection every round uses (segment quotas, budget split).
+  std::optional<round_selection> selection;
   /// Policies that can (`policy_entry::queries_from_stats`) take their query statistics from
   /// `stats` instead of observed queries do (the CLI's `--stats` without `--queries`).
   bool calibrated_queries = false;
@@ -222,7 +232,8 @@ struct basic_policy_entry {
 
 using policy_entry = basic_policy_entry<dense_kv_view>;
 
-/// `policy` with the caller's overrides in `in` (schedule, GQA aggregation, window, protocol),
+/// `policy` with the caller's overrides in `in` (schedule, GQA aggregation, window, protocol,
+/// selection),
 /// if any, type-erased: what the registry's factories return, for a policy configured by hand.
 template <KVCacheView View = dense_kv_view, class P>
 basic_any_policy<View> configured_policy(P policy, const policy_inputs& in) {
@@ -231,6 +242,11 @@ basic_any_policy<View> configured_policy(P policy, const policy_inputs& in) {
     policy.config.round.protect_prompt = in.protocol->protect_prompt;
     policy.config.round.sinks = in.protocol->sinks;
     policy.config.round.recent = in.protocol->recent;
+  }
+  if (in.selection) {
+    policy.config.round.segments = in.selection->segments;
+    policy.config.round.split = in.selection->split;
+    policy.config.round.split_floor = in.selection->split_floor;
   }
   if constexpr (requires { policy.config.gqa; }) {
     if (in.gqa) policy.config.gqa = *in.gqa;

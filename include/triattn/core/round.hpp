@@ -536,6 +536,19 @@ compaction_result compress(P& policy, const V& view, std::int64_t budget, const 
   return detail::apply_plan(policy, view, plan, ctx.parallel);
 }
 
+/// The most slots one (layer, kv_head) row keeps after a round of `budget`: the budget, or
+/// under a budget split its pool's (budget x the pool's decisions, a row may take them all).
+/// What a dense cache allocates per row is `opts.sched.peak_tokens(row_budget(...))`.
+inline std::int64_t row_budget(const round_options& opts, const kv_geometry& g, std::int64_t budget) {
+  const decision_map map{opts.grain, g.num_layers, g.num_kv_heads};
+  switch (opts.split) {
+    case budget_split::equal: return budget;
+    case budget_split::per_layer: return budget * g.num_kv_heads;
+    case budget_split::per_sequence: return budget * map.decisions();
+  }
+  return budget;
+}
+
 /// The budget `sched` compares the cache with: the budget, plus the prompt when it is kept
 /// beyond the budget (its tokens are never evicted, so all of them are in the cache).
 inline std::int64_t scheduled_budget(const round_options& opts, std::int64_t budget, const round_context& ctx) {
