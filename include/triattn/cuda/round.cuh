@@ -301,8 +301,12 @@ __global__ void __launch_bounds__(Threads)
   __syncthreads();
   const std::uint64_t pool_mask = (std::uint64_t{1} << pool_bits) - 1;
   const std::int64_t base = static_cast<std::int64_t>(first) * seg.capacity;
-  for (std::int64_t t = threadIdx.x; t < take_shared && !fits_shared; t += Threads)
-    atomicAdd(&taken[first + static_cast<int>(pool_sorted[base + t] >> order.slot_bits & pool_mask)], 1);
+  for (std::int64_t t = threadIdx.x; t < take_shared && !fits_shared; t += Threads) {
+    // An unused entry's key (all ones) can tie a NaN score's; its decision field is then past
+    // the pool, and it takes nothing.
+    const auto local = static_cast<int>(pool_sorted[base + t] >> order.slot_bits & pool_mask);
+    if (local < per_pool) atomicAdd(&taken[first + local], 1);
+  }
   __syncthreads();
   for (int d = first + static_cast<int>(threadIdx.x); d < first + per_pool; d += Threads) {
     const std::int32_t k = budgets[d];
