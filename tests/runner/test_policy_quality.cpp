@@ -5,9 +5,10 @@
 // the first compression must be lower than random eviction's at the same budget. Random
 // eviction is the evaluation's (eval/random_eviction.hpp), not the library's, unprotected.
 //
-// Except K-norm, which does no better than random here: 8 runs of 4 windows gave 0.069-0.102
-// against random's 0.073-0.092 (keys with small norms are not what this model attends to). It
-// must stay within 1.5x random's, far from what it scores when it evicts the sinks (0.45).
+// Except K-norm, which does no better than random here (keys with small norms are not what this
+// model attends to): over 31 seeds its KL was 0.86x-1.51x random's, with 4 windows and one
+// random draw each. It must stay within 2x random's, far from what it scores when it evicts the
+// sinks (0.45, about 6x).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -109,7 +110,7 @@ TEST_CASE("every policy beats random eviction at budget 64 on the real model") {
     std::printf("%-16.*s mean KL %.5f\n", static_cast<int>(e.name.size()), e.name.data(), kl);
     CHECK(kl > 0.0);  // it did compress and it did change the predictions
     if (e.name == triattn::knorm::name) {
-      CHECK(kl < 1.5 * random_kl);
+      CHECK(kl < 2.0 * random_kl);
     } else {
       CHECK(kl < random_kl);
     }
