@@ -114,6 +114,15 @@ inline eval_policy tri(std::string name, std::string summary, triattn::triattent
           }};
 }
 
+/// TriAttention calibrated online on the sequence's queries at positions [0, tokens) (0: every
+/// query before the first round), no statistics file; under the evaluation's setting.
+inline eval_policy tri_online(std::string name, std::string summary, std::int64_t tokens) {
+  return {std::move(name), std::move(summary), false,
+          [tokens](const triattn::query_stats*, std::uint64_t, const row_setting& setting) {
+            return triattn::configured_policy(triattn::triattention::online(tokens), inputs_for(nullptr, setting));
+          }};
+}
+
 inline triattn::triattention_config tri_config(triattn::granularity g, std::int64_t offset_max, std::int64_t window = 0) {
   triattn::triattention_config c = triattn::triattention_config::paper();
   c.round.grain = g;
@@ -155,6 +164,7 @@ inline std::vector<eval_policy> all_policies() {
   p.push_back(tri(tn + "_per_layer_o16", "triattention per layer, offsets to 16", tri_config(G::per_layer, 16)));
   p.push_back(tri(tn + "_per_layer_o128_w8", "triattention per layer, offsets to 128, the last 8 kept",
                   tri_config(G::per_layer, 128, 8)));
+  p.push_back(tri_online(tn + "_online", "triattention calibrated on the sequence's own queries before its first round", 0));
   p.push_back(tri(tn + "_seed", "triattention's seed preset: one keep set for the sequence (union, max of rows)",
                   triattn::triattention_config::seed()));
   const std::string en(triattn::expected_attention::name);
@@ -173,8 +183,9 @@ inline std::vector<eval_policy> all_policies() {
 /// `triattention_o<N>` / `triattention_per_layer_o<N>` (offsets to N, one keep set per KV head /
 /// per (layer, KV head)), and the extensions beyond the paper: `triattention_vp<F>`
 /// (value_protect F), `triattention_red<D>` (redundancy D), `triattention_ema<B>` (score_ema
-/// B); e.g. triattention_o4096, triattention_vp0.05. std::nullopt for any other name; a value
-/// out of its range fails when the policy is made.
+/// B); `triattention_online<N>` (calibrated on the sequence's queries at positions [0, N), no
+/// statistics file); e.g. triattention_o4096, triattention_vp0.05. std::nullopt for any other
+/// name; a value out of its range fails when the policy is made.
 inline std::optional<eval_policy> parametric_policy(const std::string& name) {
   struct kind {
     std::string_view prefix, what;
@@ -195,6 +206,13 @@ inline std::optional<eval_policy> parametric_policy(const std::string& name) {
       {"triattention_ema", "score history: B x the previous rounds' score + (1 - B) x this round's",
        [](triattn::triattention_config& c, double x) { c.score_ema = static_cast<float>(x); }},
   };
+  if (name.starts_with("triattention_online")) {  // calibrated on the first N positions
+    const std::string_view v = std::string_view(name).substr(std::string_view("triattention_online").size());
+    std::int64_t x = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+    if (v.empty() || ec != std::errc() || end != v.data() + v.size() || x < 1) return std::nullopt;
+    return tri_online(name, "triattention calibrated on the sequence's queries at positions [0, " + std::string(v) + ")", x);
+  }
   if (name.starts_with("expected_attention_f")) {  // the future positions averaged
     const std::string_view v = std::string_view(name).substr(std::string_view("expected_attention_f").size());
     std::int64_t x = 0;
@@ -218,8 +236,9 @@ inline std::optional<eval_policy> parametric_policy(const std::string& name) {
 }
 
 /// `row` with the selection of `suffixes`, each `+seg<S>` (segment quotas), `+split_layer` /
-/// `+split_seq` (head-adaptive budgets per layer / per sequence) or `+floor<F>` (the split's
-/// floor); e.g. `snapkv+seg8`, `triattention+split_seq+floor0.5`. Throws usage_error naming
+/// `+split_seq` (head-adaptive budgets per layer / per sequence), `+floor<F>` (the split's
+/// floor) or `+value` (value-aware correction by the model's output projection); e.g.
+/// `snapkv+seg8`, `triattention+split_seq+floor0.5`, `expected_attention+value`. Throws usage_error naming
 /// the suffix. The references `random` and `window` choose by draw or position and take none.
 inline eval_policy with_selection(eval_policy row, const std::string& suffixes) {
   if (row.name == random_eviction::name || row.name == recent_window::name || row.name == triattn::full_name)
@@ -236,9 +255,11 @@ inline eval_policy with_selection(eval_policy row, const std::string& suffixes) 
     } else if (part.starts_with("floor")) {
       sel.split_floor =
           static_cast<float>(parse_double("policy " + row.name + suffixes + " suffix +floor", part.substr(5), 0.0, 1.0));
+    } else if (part == "value") {
+      sel.value_aware = true;
     } else {
       throw usage_error{"policy " + row.name + suffixes + ": unknown suffix +" + part +
-                        " (known: +seg<S>, +split_layer, +split_seq, +floor<F>)"};
+                        " (known: +seg<S>, +split_layer, +split_seq, +floor<F>, +value)"};
     }
   }
   row.name += suffixes;
@@ -264,8 +285,8 @@ inline eval_policy find_eval_policy(const std::string& name) {
   for (const eval_policy& p : all_policies()) names += (names.empty() ? "" : ", ") + p.name;
   throw usage_error{"unknown policy " + name + " (known: " + names +
                     ", and triattention_o<N>, triattention_per_layer_o<N>, triattention_vp<F>, triattention_red<D>, "
-                    "triattention_ema<B>; any of them + selection suffixes: +seg<S>, +split_layer, +split_seq, "
-                    "+floor<F>)"};
+                    "triattention_ema<B>, triattention_online<N>; any of them + selection suffixes: +seg<S>, +split_layer, +split_seq, "
+                    "+floor<F>, +value)"};
 }
 
 }  // namespace triattn_eval

@@ -45,6 +45,7 @@ class compressed_session {
     if (policy_) {
       policy_->attach(cache_.view());
       cache_.set_observer(&feed_.emplace(*policy_));
+      if (policy_->round().value_aware) projection_ = &m.output_projection();
     }
   }
   /// `capacity`, plus what a budget split lets one row keep beyond `budget`: a pool's rows may
@@ -82,7 +83,7 @@ class compressed_session {
   bool maybe_compress(std::int64_t prompt_length = 0) {
     note_bytes(cache_.kv_bytes());
     if (!policy_ ||
-        !triattn::maybe_compress(*policy_, cache_.view(), budget_, triattn::round_context{cache_.position(), prompt_length}))
+        !triattn::maybe_compress(*policy_, cache_.view(), budget_, context(cache_.position(), prompt_length)))
       return false;
     ++rounds_;
     return true;
@@ -103,14 +104,25 @@ class compressed_session {
     for (int l = 0; l < v.geometry().num_layers; ++l)
       for (int h = 0; h < v.geometry().num_kv_heads; ++h) over |= v.length(l, h) > budget_;
     if (!policy_ || !over) return false;
-    triattn::compress(*policy_, v, budget_, triattn::round_context{cache_.position(), 0});
+    triattn::compress(*policy_, v, budget_, context(cache_.position(), 0));
     ++rounds_;
     return true;
   }
 
  private:
+  /// A round's context: the session's position and prompt, the model's output projection for
+  /// a value-aware policy.
+  triattn::round_context context(std::int64_t position, std::int64_t prompt_length) const {
+    triattn::round_context ctx;
+    ctx.position = position;
+    ctx.prompt_length = prompt_length;
+    ctx.projection = projection_;
+    return ctx;
+  }
+
   session cache_;
   std::optional<triattn::any_policy> policy_;
+  const triattn::value_projection* projection_ = nullptr;
   std::optional<policy_observer> feed_;
   std::int64_t budget_;
   std::int64_t peak_ = 0;

@@ -13,6 +13,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -20,6 +22,7 @@
 
 #include "triattn/core/error.hpp"
 #include "triattn/core/rope.hpp"
+#include "triattn/core/value_weighting.hpp"
 
 namespace triattn_runner {
 
@@ -165,14 +168,32 @@ class model {
     const std::vector<block_matrix>& b = blocks_[static_cast<std::size_t>(resolve(t))];
     return b.empty() ? nullptr : &b[static_cast<std::size_t>(layer)];
   }
-  /// Row `token` of the token embedding as f32 into `out` [dim].
-  void embed(int token, float* out) const {
-    const int dim = config_.dim;
-    if (const block_matrix* b = blocks(tensor::token_embedding)) {
-      b->to_float(b->bytes.data() + static_cast<std::size_t>(token) * b->row_bytes, out, dim);
+  /// Row `row` of matrix `t` (or the token embedding) of `layer` as f32 into `out` [its columns].
+  void matrix_row(tensor t, int layer, int row, float* out) const {
+    const int cols = matrix_shape(t).second;
+    if (const block_matrix* b = blocks(t, layer)) {
+      b->to_float(b->bytes.data() + static_cast<std::size_t>(row) * b->row_bytes, out, cols);
     } else {
-      std::copy_n(weights(tensor::token_embedding).data() + static_cast<std::ptrdiff_t>(token) * dim, dim, out);
+      std::copy_n(weights(t, layer).data() + static_cast<std::ptrdiff_t>(row) * cols, cols, out);
     }
+  }
+  /// Row `token` of the token embedding as f32 into `out` [dim].
+  void embed(int token, float* out) const { matrix_row(tensor::token_embedding, 0, token, out); }
+
+  /// The output projections as a value-aware round reads them (triattn/core/value_weighting.hpp):
+  /// W_o,hᵀ W_o,h per (layer, q-head), computed on first use (about a second for a 576-wide
+  /// model of 30 layers) and kept with the model's weights. Thread-safe.
+  const triattn::value_projection& output_projection() const {
+    std::call_once(projection_->once, [&] {
+      const triattn_runner::config& c = config_;
+      std::vector<float> w_o(static_cast<std::size_t>(c.dim) * c.dim);
+      for (int l = 0; l < c.n_layers; ++l) {
+        for (int i = 0; i < c.dim; ++i) matrix_row(tensor::wo, l, i, w_o.data() + static_cast<std::ptrdiff_t>(i) * c.dim);
+        triattn::append_output_gram(w_o, c.dim, c.n_heads, c.head_dim, projection_->gram);
+      }
+      projection_->view = {c.n_layers, c.n_heads, c.head_dim, projection_->gram.data()};
+    });
+    return projection_->view;
   }
 
   /// Rows of every panel of `panels()`.
@@ -258,6 +279,12 @@ class model {
   std::array<std::size_t, tensor_count> offset_{};  // first float of each tensor
   std::array<std::size_t, tensor_count> slice_{};   // floats per layer (or in all) of each tensor
   std::vector<float> panels_;                        // the f32 matrices as panels(), in `matrices` order
+  struct lazy_projection {
+    std::once_flag once;
+    std::vector<float> gram;
+    triattn::value_projection view;
+  };
+  std::shared_ptr<lazy_projection> projection_ = std::make_shared<lazy_projection>();  // output_projection()
   std::array<std::vector<block_matrix>, tensor_count> blocks_;  // [layers] of the tensors kept in a block format
   std::array<std::size_t, matrices.size()> panel_offset_{}, panel_slice_{};
 };

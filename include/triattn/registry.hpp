@@ -169,11 +169,13 @@ struct round_protocol {
 };
 
 /// How every policy of a comparison selects (`policy_inputs::selection`): the round's segment
-/// quotas and head-adaptive budgets (`round_options::segments`, `split`, `split_floor`).
+/// quotas, head-adaptive budgets and value-aware correction (`round_options::segments`,
+/// `split`, `split_floor`, `value_aware`).
 struct round_selection {
   std::int64_t segments = 1;
   budget_split split = budget_split::equal;
   float split_floor = 0.2f;
+  bool value_aware = false;
 };
 
 /// What some policies need besides the cache, and the caller's overrides.
@@ -247,6 +249,7 @@ basic_any_policy<View> configured_policy(P policy, const policy_inputs& in) {
     policy.config.round.segments = in.selection->segments;
     policy.config.round.split = in.selection->split;
     policy.config.round.split_floor = in.selection->split_floor;
+    policy.config.round.value_aware = in.selection->value_aware;
   }
   if constexpr (requires { policy.config.gqa; }) {
     if (in.gqa) policy.config.gqa = *in.gqa;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "triattn/calibration/accumulator.hpp"
+#include "triattn/calibration/online.hpp"
 #include "triattn/calibration/query_stats.hpp"
 #include "triattn/calibration/stats_file.hpp"
 #include "triattn/core/compaction.hpp"
@@ -16,6 +17,7 @@
 #include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/core/value_weighting.hpp"
 #include "triattn/io/json.hpp"
 #include "triattn/io/npy.hpp"
 #include "triattn/io/safetensors.hpp"

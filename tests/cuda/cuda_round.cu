@@ -6,8 +6,9 @@
 // those floats, so the keep sets must be identical and the caches after `compact` byte-equal
 // to the CPU's compaction. (Each scorer's scores against the CPU are the other cuda_* tests'.)
 // Also under segment quotas and head-adaptive budget splits (the CPU's `split_kept` on the same
-// floats sets each decision's count; rows then keep different lengths). Plus: rows of a shared
-// decision that hold different slots fail the round on the device.
+// floats sets each decision's count; rows then keep different lengths), and value-aware rounds
+// (the CPU's `weight_by_values` on the same floats, by a random output projection or the plain
+// norms). Plus: rows of a shared decision that hold different slots fail the round on the device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -60,8 +61,10 @@ struct round_case {
   std::vector<std::int32_t> budgets;
   std::vector<std::int64_t> prompts, round_starts;
   std::int32_t stride = 1;
+  std::vector<float> gram;  ///< a value-aware round's output projection (`value_projection::gram`), or empty
+  triattn::value_projection projection{};  ///< over `gram`, on the host
 
-  round_case(const triattn_test::cache_shape& shape, int batch, std::mt19937_64& g) {
+  round_case(const triattn_test::cache_shape& shape, int batch, std::mt19937_64& g, bool projected = false) {
     caches.reserve(static_cast<std::size_t>(batch));
     for (int b = 0; b < batch; ++b) {
       caches.emplace_back(shape, g);
@@ -78,6 +81,14 @@ struct round_case {
       round_starts.push_back(last + 1);
       stride = std::max(stride, budgets.back() + static_cast<std::int32_t>(shape.capacity));  // room for beyond_prompt
     }
+    if (!projected) return;
+    const triattn::kv_geometry geo = caches.front().geometry();
+    const int hidden = 1 + static_cast<int>(g() % static_cast<std::uint64_t>(2 * geo.head_dim));
+    for (int l = 0; l < geo.num_layers; ++l)
+      triattn::append_output_gram(
+          triattn_test::normal_floats(g, static_cast<std::size_t>(hidden) * geo.num_q_heads * geo.head_dim), hidden,
+          geo.num_q_heads, geo.head_dim, gram);
+    projection = {geo.num_layers, geo.num_q_heads, geo.head_dim, gram.data()};
   }
 };
 
@@ -99,7 +110,10 @@ recorded_round run_recorded(const device_batch<V>& dev, const round_case& rc, co
   device_buffer<std::int32_t> status(std::vector<std::int32_t>{0});
   const device_buffer<std::int32_t> budgets(rc.budgets);
   const device_buffer<std::int64_t> prompts(rc.prompts), starts(rc.round_starts);
-  const triattn::cuda::round_inputs inputs{budgets.get(), starts.get(), prompts.get()};
+  const device_buffer<float> gram(rc.gram);
+  triattn::value_projection projection = rc.projection;
+  projection.gram = rc.gram.empty() ? nullptr : gram.get();
+  const triattn::cuda::round_inputs inputs{budgets.get(), starts.get(), prompts.get(), projection};
   const triattn::cuda::device_keep_plan plan{keep.get(), kept.get(), rc.stride};
   const recording_scorer<S> recorder{scorer, copy.get()};
   std::size_t bytes = 0;
@@ -122,7 +136,9 @@ void check_round(round_case& rc, const device_batch<V>& dev, const S& scorer, co
   for (std::size_t b = 0; b < rc.caches.size(); ++b) {
     auto& c = rc.caches[b];
     const triattn::row_rule rule = scorer.rule({rc.round_starts[b], rc.prompts[b], rc.budgets[b]});
-    const cpu::keep_rows expected = cpu::round_plan(c, gpu.scores.data() + b * rows * cap, options, rule, rc.prompts[b]);
+    const cpu::keep_rows expected =
+        cpu::round_plan(c, gpu.scores.data() + b * rows * cap, options, rule, rc.prompts[b], triattn::score_domain_of<S>(),
+                        rc.gram.empty() ? nullptr : &rc.projection);
     for (std::size_t r = 0; r < rows; ++r) {
       const auto at = static_cast<std::ptrdiff_t>((b * rows + r) * static_cast<std::size_t>(rc.stride));
       const std::vector<std::int32_t> got(gpu.keep.begin() + at, gpu.keep.begin() + at + gpu.kept[b * rows + r]);
@@ -155,14 +171,14 @@ struct random_state {
 /// One policy's round under `options` on a fresh random batch.
 template <class V>
 void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int batch,
-                 const triattn::round_options& options, std::mt19937_64& g) {
+                 const triattn::round_options& options, bool projected, std::mt19937_64& g) {
   INFO_SCOPE(policy_name(policy), " ", shape.describe(), " batch ", batch, " ", triattn::granularity_name(options.grain),
              options.reduction == triattn::row_reduction::max ? " max" : " mean",
              options.budget == triattn::budget_mode::beyond_prompt ? " beyond_prompt" : " with_prompt",
              options.protect_prompt ? " protect_prompt" : "", " sinks ", options.sinks, " recent ", options.recent,
              " segments ", options.segments, " split ", triattn::budget_split_name(options.split), " floor ",
-             options.split_floor);
-  round_case rc(shape, batch, g);
+             options.split_floor, options.value_aware ? " value_aware" : "", projected ? " projected" : "");
+  round_case rc(shape, batch, g, projected);
   const device_batch<V> dev(rc.caches);
   const triattn::kv_geometry geo = rc.caches.front().geometry();
   switch (policy) {
@@ -216,8 +232,10 @@ void policy_case(policy_kind policy, const triattn_test::cache_shape& shape, int
   }
 }
 
-/// One policy's round under `options` on a random element type, layout, shape and batch.
-void random_policy_case(policy_kind policy, const triattn::round_options& options, std::mt19937_64& g) {
+/// One policy's round under `options` on a random element type, layout, shape and batch; a
+/// value-aware round by a random output projection when `projected`.
+void random_policy_case(policy_kind policy, const triattn::round_options& options, std::mt19937_64& g,
+                        bool projected = false) {
   const triattn::dtype type = gpu_dtypes[g() % std::size(gpu_dtypes)];
   const cache_layout layout = triattn_test::all_layouts[g() % std::size(triattn_test::all_layouts)];
   triattn_test::cache_shape shape =
@@ -225,9 +243,9 @@ void random_policy_case(policy_kind policy, const triattn::round_options& option
   if (type == triattn::dtype::fp8_e4m3 || type == triattn::dtype::fp8_e5m2) shape.k_scale = 0.5f, shape.v_scale = 4.0f;
   const int batch = 1 + static_cast<int>(g() % 3);
   if (triattn_test::is_paged(layout))
-    policy_case<triattn::paged_kv_view>(policy, shape, batch, options, g);
+    policy_case<triattn::paged_kv_view>(policy, shape, batch, options, projected, g);
   else
-    policy_case<triattn::dense_kv_view>(policy, shape, batch, options, g);
+    policy_case<triattn::dense_kv_view>(policy, shape, batch, options, projected, g);
 }
 
 TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline for every policy, granularity, reduction and budget mode") {
@@ -288,3 +306,23 @@ TRIATTN_CUDA_TEST("rows of a shared decision that hold different slots fail the 
 }
 
 }  // namespace
+
+TRIATTN_CUDA_TEST("plan_round equals the CPU pipeline under value-aware correction, projected and plain") {
+  auto g = triattn_test::rng(25);
+  int cases = 0;
+  for (const policy_kind policy : all_policies)
+    for (const bool projected : {false, true}) {
+      triattn::round_options options;
+      options.value_aware = true;
+      const triattn::granularity grains[] = {triattn::granularity::per_layer, triattn::granularity::per_kv_head,
+                                             triattn::granularity::whole_sequence};
+      options.grain = grains[g() % 3];
+      options.reduction = g() % 2 ? triattn::row_reduction::max : triattn::row_reduction::mean;
+      options.protect_prompt = g() % 2 == 0;
+      if (options.grain != triattn::granularity::whole_sequence && g() % 2 == 0)
+        options.split = triattn::budget_split::per_sequence;
+      random_policy_case(policy, options, g, projected);
+      ++cases;
+    }
+  CHECK(cases == static_cast<int>(std::size(all_policies)) * 2, cases, " cases ran");
+}

@@ -19,6 +19,7 @@ template <class S>
 struct recording_scorer {
   S inner;
   float* copy = nullptr;  // [batch, layers, kv_heads, capacity]
+  static constexpr triattn::score_domain domain = triattn::score_domain_of<S>();
 
   TRIATTN_HOST_DEVICE triattn::row_rule rule(const triattn::round_info& info) const { return inner.rule(info); }
 

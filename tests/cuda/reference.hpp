@@ -13,6 +13,7 @@
 #include "triattn/core/granularity.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/core/value_weighting.hpp"
 #include "triattn/policies/expected_attention_math.hpp"
 #include "triattn/policies/triattention_config.hpp"
 
@@ -52,9 +53,13 @@ double triattention_margin(triattn_test::test_cache& cache, const triattn::query
 /// scores `scores` [layers, kv_heads, capacity] (the floats the device scorer wrote): per
 /// decision of `options.grain`, the rows folded in row order with `fold_row_score`, the
 /// protection and keep count of `rule` plus the prompt, then `triattn::select_keep`; one keep
-/// row per (layer, kv_head). Rows of a shared decision must hold the same slots.
+/// row per (layer, kv_head). Rows of a shared decision must hold the same slots. A value-aware
+/// round weights each row's candidates first (`triattn::detail::weight_by_values` over the
+/// cache's own view, in the scorer's `domain`, by `projection` or the plain norms).
 keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const triattn::round_options& options,
-                     const triattn::row_rule& rule, std::int64_t prompt_length);
+                     const triattn::row_rule& rule, std::int64_t prompt_length,
+                     triattn::score_domain domain = triattn::score_domain::weight,
+                     const triattn::value_projection* projection = nullptr);
 
 /// The CPU scores [layers, kv_heads, capacity] of the key-only policy `name` ("knorm",
 /// "keydiff"): its `score` over the cache's own view; slots past a length left at 0.

@@ -87,7 +87,8 @@ double triattention_margin(triattn_test::test_cache& cache, const triattn::query
 }
 
 keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const triattn::round_options& options,
-                     const triattn::row_rule& rule, std::int64_t prompt_length) {
+                     const triattn::row_rule& rule, std::int64_t prompt_length, triattn::score_domain domain,
+                     const triattn::value_projection* projection) {
   const triattn::kv_geometry g = cache.geometry();
   const std::int64_t cap = cache.shape().capacity;
   const triattn::decision_map map{options.grain, g.num_layers, g.num_kv_heads};
@@ -98,6 +99,7 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
   prot.prompt_length = options.protect_prompt || beyond ? prompt_length : 0;
   // The CPU pipeline's decisions (core/round.hpp) on the GPU's recorded scores.
   std::vector<triattn::detail::round_decision> decisions(static_cast<std::size_t>(map.decisions()));
+  std::vector<float> value;
   for (int d = 0; d < map.decisions(); ++d) {
     int l0, h0;
     map.row(d, 0, l0, h0);
@@ -115,7 +117,11 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
     for (int r = 0; r < map.rows(); ++r) {
       int l, h;
       map.row(d, r, l, h);
-      const float* row = scores + (static_cast<std::int64_t>(l) * g.num_kv_heads + h) * cap;
+      std::vector<float> row(scores + (static_cast<std::int64_t>(l) * g.num_kv_heads + h) * cap,
+                             scores + (static_cast<std::int64_t>(l) * g.num_kv_heads + h) * cap + n);
+      if (options.value_aware)
+        triattn::detail::weight_by_values("round_plan", cache.dense_view(), l, h, projection, domain, dec.candidate, row,
+                                          value);
       for (std::int32_t s = 0; s < n; ++s) {
         float& a = dec.score[static_cast<std::size_t>(s)];
         a = triattn::fold_row_score(a, row[s], options.reduction);
@@ -124,7 +130,7 @@ keep_rows round_plan(triattn_test::test_cache& cache, const float* scores, const
     dec.kept = rule.kept + (beyond ? prompt_slots : 0);
   }
   if (options.split != triattn::budget_split::equal) {
-    const int per_pool = options.split == triattn::budget_split::per_layer ? g.num_kv_heads : map.decisions();
+    const int per_pool = triattn::pool_decisions(options.split, map);
     for (int first = 0; first < map.decisions(); first += per_pool) {
       std::vector<triattn::detail::round_decision*> pool;
       for (int d = first; d < first + per_pool; ++d) pool.push_back(&decisions[static_cast<std::size_t>(d)]);

@@ -343,18 +343,21 @@ TEST_CASE("triattn_eval --quick: a finite row for every policy x budget") {
   CHECK(fs::exists(dir.path / "q/quality.md"));
 }
 
-TEST_CASE("triattn_eval: selection suffixes (+seg<S>, +split_layer, +split_seq, +floor<F>) on any row") {
+TEST_CASE("triattn_eval: selection suffixes (+seg<S>, +split_layer, +split_seq, +floor<F>, +value) on any row") {
   scratch dir;
-  const std::string rows = "snapkv,snapkv+seg1,snapkv+seg4,knorm+split_layer,triattention+split_seq+floor0.5";
+  const std::string rows =
+      "snapkv,snapkv+seg1,snapkv+seg4,knorm+split_layer,triattention+split_seq+floor0.5,triattention,triattention+value";
   REQUIRE(run_eval(dir, dir.path / "s", "--policies full," + rows + " --budgets 32 --windows 2 --prompts 0 --divide-length 16") == 0);
   std::map<std::string, double> kl;
   for (const auto& r : read_csv(dir.path / "s/quality.csv")) kl[r.at("policy")] = std::stod(r.at("kl"));
-  for (const std::string p : {"snapkv", "snapkv+seg1", "snapkv+seg4", "knorm+split_layer", "triattention+split_seq+floor0.5"}) {
+  for (const std::string p : {"snapkv", "snapkv+seg1", "snapkv+seg4", "knorm+split_layer",
+                              "triattention+split_seq+floor0.5", "triattention+value"}) {
     INFO(p);
     REQUIRE(kl.contains(p));
     CHECK((std::isfinite(kl[p]) && kl[p] > 0.0));
   }
   CHECK(kl["snapkv+seg1"] == kl["snapkv"]);  // one run is the plain top-k
+  CHECK(kl["triattention+value"] != kl["triattention"]);  // the model's output projection moved keep sets
   // A bad suffix is a usage error naming it (exit 2), before any work.
   const std::string cmd = quote(TRIATTN_TEST_EVAL) + " --model " + quote(model_path().string()) + " --tokenizer " +
                           quote(tokenizer_path().string()) + " --text " + quote(valid_text().string()) + " --out " +

@@ -303,3 +303,89 @@ TEST_CASE("TriAttention with score_ema keeps per-sequence state: compress_batch 
   CHECK(a.length(0, 0) == 4);
   CHECK(b.length(1, 1) == 4);
 }
+
+namespace {
+/// Random post-RoPE query rows [layer][q_head][head_dim] of `tokens` positions.
+std::vector<std::vector<float>> random_query_rows(std::mt19937_64& g, const triattn::kv_geometry& geo, int tokens) {
+  std::normal_distribution<float> x(0.3f, 1.0f);
+  std::vector<std::vector<float>> rows;  // [token x layer x q_head][head_dim]
+  for (int i = 0; i < tokens * geo.num_layers * geo.num_q_heads; ++i) {
+    rows.emplace_back(static_cast<std::size_t>(geo.head_dim));
+    for (float& e : rows.back()) e = x(g);
+  }
+  return rows;
+}
+}  // namespace
+
+TEST_CASE("TriAttention online: the statistics of the sequence's own queries, frozen at the first round, keep what offline calibration on them keeps") {
+  auto g = triattn_test::rng(38);
+  for (int trial = 0; trial < 24; ++trial) {
+    const int group = 1 + trial % 3;
+    test_cache c = make_cache(g, group, 24, 20);
+    const triattn::kv_geometry geo = c.geometry();
+    const int observed = 1 + static_cast<int>(g() % 12), span = trial % 2 == 0 ? 0 : 1 + static_cast<int>(g() % 12);
+    const auto rows = random_query_rows(g, geo, observed + 3);  // 3 more after the round
+    // Offline: the accumulator fed the rows the online policy reads (positions < span, if set).
+    triattn::query_stats_accumulator acc(geo);
+    const int used = span == 0 ? observed : std::min(observed, span);
+    for (int t = 0; t < used; ++t)
+      for (int l = 0; l < geo.num_layers; ++l) {
+        std::vector<float> q;
+        for (int h = 0; h < geo.num_q_heads; ++h) {
+          const auto& r = rows[static_cast<std::size_t>((t * geo.num_layers + l) * geo.num_q_heads + h)];
+          q.insert(q.end(), r.begin(), r.end());
+        }
+        acc.add_post_rope(l, q, t);
+      }
+    acc.end_trace();
+    const triattn::query_stats offline_stats = acc.finish();
+    const std::int64_t budget = 1 + static_cast<std::int64_t>(g() % 20);
+    INFO("trial " << trial << " group " << group << " observed " << observed << " span " << span << " budget " << budget);
+    c.with_view([&](const auto& v) {
+      triattn::triattention online = triattn::triattention::online(span);
+      CHECK_FALSE(online.stateless());
+      online.attach(v);
+      const auto feed = [&](int from, int to) {  // heads in reverse order: any order within a token
+        for (int t = from; t < to; ++t)
+          for (int l = 0; l < geo.num_layers; ++l)
+            for (int h = geo.num_q_heads - 1; h >= 0; --h)
+              online.observe(l, h, t, rows[static_cast<std::size_t>((t * geo.num_layers + l) * geo.num_q_heads + h)]);
+      };
+      feed(0, observed);
+      const triattn::triattention offline(offline_stats);
+      const triattn::round_context ctx{};  // the round starts after the last cached position
+      const triattn::keep_plan want = offline.plan(v, budget, ctx);
+      const auto same = [&](const triattn::keep_plan& got) {
+        for (int l = 0; l < geo.num_layers; ++l)
+          for (int h = 0; h < geo.num_kv_heads; ++h)
+            if (!std::ranges::equal(got.row(l, h), want.row(l, h))) return false;
+        return true;
+      };
+      CHECK(same(online.plan(v, budget, ctx)));  // the first round freezes the statistics
+      CHECK(online.stats().q_mean_real == offline_stats.q_mean_real);
+      CHECK(online.stats().q_abs_mean == offline_stats.q_abs_mean);
+      feed(observed, observed + 3);  // read no more
+      CHECK(same(online.plan(v, budget, ctx)));
+      online.attach(v);  // a new sequence calibrates afresh: nothing observed yet
+      triattn_test::check_rejected(c, [&] { online.compress(v, budget, ctx); },
+                                     {"triattn::compress", "online calibration has observed no complete token"});
+    });
+  }
+}
+
+TEST_CASE("TriAttention online: query rows out of order, twice or of the wrong size are refused naming the API") {
+  auto g = triattn_test::rng(39);
+  test_cache c = make_cache(g, 2, 16, 12);
+  const triattn::kv_geometry geo = c.geometry();
+  const std::vector<float> q(static_cast<std::size_t>(geo.head_dim), 1.0f), short_q(3, 1.0f);
+  triattn::triattention online = triattn::triattention::online();
+  triattn_test::throws_with([&] { online.observe(0, 0, 0, q); }, {"triattn::online_query_stats::observe", "attach"});
+  c.with_view([&](const auto& v) { online.attach(v); });
+  online.observe(0, 0, 0, q);
+  triattn_test::throws_with([&] { online.observe(0, 0, 0, q); }, {"layer 0 q_head 0 observed twice at position 0"});
+  triattn_test::throws_with([&] { online.observe(0, 1, 1, q); },
+                            {"layer 0 q_head 1 at position 1 while position 0 has 1 of 4 q_heads"});
+  triattn_test::throws_with([&] { online.observe(0, 1, 0, short_q); }, {"holds 3 floats, expected head_dim 8"});
+  triattn_test::throws_with([&] { online.observe(2, 0, 0, q); }, {"layer 2 q_head 0 outside 2 layers x 4 q_heads"});
+  CHECK_THROWS_WITH(triattn::triattention::online(-1), Catch::Contains("tokens -1 must be >= 0"));
+}

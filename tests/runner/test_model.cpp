@@ -536,3 +536,38 @@ TEST_CASE("model and tokenizer loading reject truncated and malformed files", "[
   CHECK_THAT(load_error([&] { triattn_runner::tokenizer::load(tiny.path, 1 << 30); }),
              Contains("truncated") && Contains("1073741824 pieces"));
 }
+
+TEST_CASE("the model's output projection weighs a value by the norm of W_o,h v, averaged over the kv head's q-heads",
+          "[llama2c][policies]") {
+  const triattn_runner::model& m = stories();
+  const triattn_runner::config& c = m.config();
+  const triattn::value_projection& p = m.output_projection();
+  REQUIRE(p.num_layers == c.n_layers);
+  REQUIRE(p.num_q_heads == c.n_heads);
+  REQUIRE(p.head_dim == c.head_dim);
+  CHECK(&m.output_projection() == &p);  // built once
+  auto g = triattn_test::rng(5);
+  std::normal_distribution<float> x(0.0f, 1.0f);
+  const int G = c.n_heads / c.n_kv_heads, D = c.head_dim;
+  std::vector<float> row(static_cast<std::size_t>(c.dim)), v(static_cast<std::size_t>(D));
+  for (int trial = 0; trial < 8; ++trial) {
+    const int layer = std::uniform_int_distribution<int>(0, c.n_layers - 1)(g);
+    const int kv_head = std::uniform_int_distribution<int>(0, c.n_kv_heads - 1)(g);
+    for (float& e : v) e = x(g);
+    // From the definition: y_h = W_o[:, h D : (h + 1) D] v over the rows of W_o, in double.
+    double want = 0.0;
+    for (int h = kv_head * G; h < (kv_head + 1) * G; ++h) {
+      double sq = 0.0;
+      for (int i = 0; i < c.dim; ++i) {
+        m.matrix_row(triattn_runner::tensor::wo, layer, i, row.data());
+        double y = 0.0;
+        for (int a = 0; a < D; ++a) y += static_cast<double>(row[static_cast<std::size_t>(h * D + a)]) * v[static_cast<std::size_t>(a)];
+        sq += y * y;
+      }
+      want += std::sqrt(sq) / G;
+    }
+    const float got = triattn::value_weight(v.data(), &p, layer, kv_head, G, D);
+    INFO("layer " << layer << " kv_head " << kv_head << " got " << got << " want " << want);
+    CHECK(std::fabs(got - want) <= 1e-4 * want);
+  }
+}

@@ -112,6 +112,36 @@ inline std::vector<double> value_l1_norms(test_cache& c, int layer, int kv_head)
   return out;
 }
 
+/// The value weights of row (layer, kv_head) of `c` (value-aware rounds), from the definition:
+/// the mean over the kv head's q-heads h of ‖W_o,h v‖₂, W_o,h the columns [h·D, (h+1)·D) of the
+/// layer's `w_o` [hidden, q_heads·D] (row-major), or ‖v‖₂ when `w_o` is empty.
+inline std::vector<double> value_weights(test_cache& c, int layer, int kv_head, const std::vector<double>& w_o) {
+  const int D = c.shape().head_dim, G = c.shape().group;
+  const std::size_t cols = static_cast<std::size_t>(c.shape().num_kv_heads) * G * D;
+  std::vector<double> out;
+  for (std::int32_t s = 0; s < c.length(layer, kv_head); ++s) {
+    const std::vector<double> v = c.value(layer, kv_head, s);
+    double w = 0.0;
+    if (w_o.empty()) {
+      for (const double x : v) w += x * x;
+      w = std::sqrt(w);
+    } else {
+      for (int gi = 0; gi < G; ++gi) {
+        const std::size_t col = static_cast<std::size_t>(kv_head * G + gi) * D;
+        double sq = 0.0;
+        for (std::size_t i = 0; i < w_o.size() / cols; ++i) {
+          double y = 0.0;
+          for (int a = 0; a < D; ++a) y += w_o[i * cols + col + a] * v[a];
+          sq += y * y;
+        }
+        w += std::sqrt(sq) / G;
+      }
+    }
+    out.push_back(w);
+  }
+  return out;
+}
+
 /// A budget split (cli.md): the last `recent` slots, then `heavy` slots by score, whose first
 /// places go to the `sinks` leading slots (VATP's sinks are its top heavy hitters).
 struct split_parts {

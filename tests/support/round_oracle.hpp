@@ -19,7 +19,9 @@
 //   share) of its best candidates, and the rest of the pool goes to the best of the remaining
 //   candidates of the pool by normalised score ((score - min) / sum(score - min) over the
 //   decision's finite candidates; 1 / count when they are all equal), ties to the lower
-//   decision and slot; each decision then selects with its new count.
+//   decision and slot; each decision then selects with its new count;
+//   value-aware rounds: each row's candidate scores weighted by their value weights w before
+//   the fold: times w for scores in proportion to attention, plus ln max(w, 1e-30) for logits.
 //
 // A decision's `margin` is the oracle's score gap at the cut (for a group of exactly tied
 // scores across the cut: its distance to the nearest other score), so that a test can skip
@@ -37,6 +39,11 @@
 #include "triattn/core/granularity.hpp"  // the enum, as a parameter container
 
 namespace triattn_test::ref {
+
+/// Score `s` weighted by value weight `w` (a value-aware round), for a `logit` score or not.
+inline double value_weighted(double s, double w, bool logit) {
+  return logit ? s + std::log(std::max(w, 1e-30)) : s * w;
+}
 
 /// The policy's own part of a decision: protected first / last slots and the kept count.
 struct round_rule {

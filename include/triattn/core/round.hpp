@@ -27,8 +27,9 @@
 /// 3. per decision: the protected slots (`protection`: the policy's rule joined with the
 ///    options' sinks and recent window, and the prompt when protected or kept beyond the
 ///    budget); a decision whose protected slots or length fit what it keeps is settled
-///    without scoring; otherwise each row is scored and folded into one score
-///    per slot (`fold_row_score`: mean or max of the rows, in row order);
+///    without scoring; otherwise each row is scored, its candidates weighted by their values
+///    when `value_aware` (core/value_weighting.hpp, in the policy's `score_domain`), and the
+///    rows folded into one score per slot (`fold_row_score`: mean or max, in row order);
 /// 4. under a budget split (`budget_split`, head-adaptive budgets), the decisions of a layer or
 ///    sequence pool their kept counts and a global top-k over their normalised scores sets each
 ///    one's count (`split_kept`); every decision with candidates in a pool that does not fit
@@ -66,6 +67,7 @@
 #include "triattn/core/parallel.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/core/value_weighting.hpp"
 
 TRIATTN_NAMESPACE_BEGIN
 
@@ -80,6 +82,9 @@ struct round_context {
   /// Where the round's (layer, kv_head) rows run: serial by default; `threads(n)` or the
   /// engine's own pool (core/parallel.hpp). The keep sets do not depend on it.
   parallel_for parallel{};
+  /// The output projection a value-aware round weights values by (`round_options::value_aware`;
+  /// core/value_weighting.hpp), or null: the plain value norm. Not read by other rounds.
+  const value_projection* projection = nullptr;
 };
 
 /// What the budget counts when a prompt exists.
@@ -97,6 +102,13 @@ enum class budget_split : std::uint8_t {
   per_layer,     ///< the kv heads of a layer pool budget x kv_heads (per_layer granularity only)
   per_sequence,  ///< every decision of the sequence pools budget x decisions
 };
+
+/// Decisions per pool of `split` over `map`'s decisions: a layer's kv heads (`per_layer`), every
+/// decision of the sequence (`per_sequence`), or one (`equal`). Pool p holds decisions
+/// [p x n, (p + 1) x n): decisions are numbered layer by layer (granularity.hpp).
+TRIATTN_HOST_DEVICE int pool_decisions(budget_split split, const decision_map& map) {
+  return split == budget_split::per_layer ? map.num_kv_heads : split == budget_split::per_sequence ? map.decisions() : 1;
+}
 
 /// The CLI's names: "equal", "per_layer", "per_sequence".
 constexpr std::string_view budget_split_name(budget_split s) {
@@ -137,6 +149,10 @@ struct round_options {
   /// the rest of the pool goes to the best normalised scores of the group.
   budget_split split = budget_split::equal;
   float split_floor = 0.2f;
+  /// Value-aware correction (CriticalKV, core/value_weighting.hpp): each candidate's score
+  /// weighted by its value's norm through the layer's output projection
+  /// (`round_context::projection`), or by its plain norm when none is given.
+  bool value_aware = false;
 
   /// Whether a round protects the prompt's slots: asked for, or kept on top of the budget.
   TRIATTN_HOST_DEVICE bool keeps_prompt() const { return protect_prompt || budget == budget_mode::beyond_prompt; }
@@ -357,14 +373,6 @@ inline void split_kept(std::span<round_decision* const> group, float floor_share
     if (group[i]->kept > 0) group[i]->kept = std::min(group[i]->protected_slots, group[i]->kept) + taken[i];
 }
 
-/// The group of decision `d` under `opts.split`, and the number of groups.
-inline int split_group(const round_options& opts, const decision_map& map, int d) {
-  return opts.split == budget_split::per_layer ? d / map.num_kv_heads : opts.split == budget_split::per_sequence ? 0 : d;
-}
-inline int split_groups(const round_options& opts, const decision_map& map) {
-  return opts.split == budget_split::per_layer ? map.num_layers : opts.split == budget_split::per_sequence ? 1 : map.decisions();
-}
-
 /// `plan_round` once its entry point has checked the budget, the prompt length and the view
 /// (each once per round; the policy's `begin_round` and the selection rely on them).
 template <class P, KVCacheView V>
@@ -373,6 +381,8 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
                          const char* api) {
   const round_options& opts = policy.round();
   check_round_options<V>(api, opts);
+  const value_projection* projection = opts.value_aware ? ctx.projection : nullptr;
+  if (projection != nullptr) projection->validate(api, view.geometry());
   const round_info info{resolve_round_start(api, view, ctx), ctx.prompt_length, budget};
   auto rows = policy.begin_round(api, view, info);
 
@@ -403,9 +413,10 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
     dec.kept = rule.kept + (opts.budget == budget_mode::beyond_prompt ? prompt_slots : 0);
   }
   // The groups of decisions that pool their budgets (one decision each without a split).
-  std::vector<std::vector<round_decision*>> groups(static_cast<std::size_t>(split_groups(opts, map)));
+  const int per_pool = pool_decisions(opts.split, map);
+  std::vector<std::vector<round_decision*>> groups(static_cast<std::size_t>(map.decisions() / per_pool));
   for (int d = 0; d < map.decisions(); ++d)
-    groups[static_cast<std::size_t>(split_group(opts, map, d))].push_back(&decisions[static_cast<std::size_t>(d)]);
+    groups[static_cast<std::size_t>(d / per_pool)].push_back(&decisions[static_cast<std::size_t>(d)]);
   // Scored only when protection alone does not decide and the rows do not fit whole: per
   // decision, or per pool under a split (where every decision with candidates competes).
   std::int64_t score_floats = 0;
@@ -429,6 +440,7 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
     if (decisions[static_cast<std::size_t>(d)].scores_at >= 0)
       for (int r = 0; r < map.rows(); ++r) items.push_back(std::int64_t{d} * map.rows() + r);
   std::vector<decltype(rows)> scorers;
+  std::vector<std::vector<float>> values(opts.value_aware ? static_cast<std::size_t>(std::max(par.workers, 1)) : 0);
   scorers.reserve(static_cast<std::size_t>(std::max(par.workers, 1)));
   scorers.push_back(std::move(rows));
   for (int w = 1; w < par.workers && std::ssize(items) > 1; ++w) scorers.push_back(scorers.front());
@@ -439,9 +451,11 @@ keep_plan plan_validated(const P& policy, const V& view, std::int64_t budget, co
     const std::int64_t n = dec.length();
     int l, h;
     map.row(d, r, l, h);
-    scorers[static_cast<std::size_t>(worker)].score(
-        l, h, dec.candidate,
-        std::span<float>(scores.data() + dec.scores_at + r * n, static_cast<std::size_t>(n)));
+    const std::span<float> row(scores.data() + dec.scores_at + r * n, static_cast<std::size_t>(n));
+    scorers[static_cast<std::size_t>(worker)].score(l, h, dec.candidate, row);
+    if (opts.value_aware)
+      weight_by_values(api, view, l, h, projection, score_domain_of<P>(), dec.candidate, row,
+                       values[static_cast<std::size_t>(worker)]);
   });
 
   // Per decision: fold its rows in row order (the same sums at every thread count); per pool,
@@ -540,13 +554,7 @@ compaction_result compress(P& policy, const V& view, std::int64_t budget, const 
 /// under a budget split its pool's (budget x the pool's decisions, a row may take them all).
 /// What a dense cache allocates per row is `opts.sched.peak_tokens(row_budget(...))`.
 inline std::int64_t row_budget(const round_options& opts, const kv_geometry& g, std::int64_t budget) {
-  const decision_map map{opts.grain, g.num_layers, g.num_kv_heads};
-  switch (opts.split) {
-    case budget_split::equal: return budget;
-    case budget_split::per_layer: return budget * g.num_kv_heads;
-    case budget_split::per_sequence: return budget * map.decisions();
-  }
-  return budget;
+  return budget * pool_decisions(opts.split, decision_map{opts.grain, g.num_layers, g.num_kv_heads});
 }
 
 /// The budget `sched` compares the cache with: the budget, plus the prompt when it is kept
@@ -561,13 +569,18 @@ template <KVCacheView V>
 std::int64_t scheduled_length(const V& view, const round_options& opts) {
   if (opts.split == budget_split::equal) return max_length(view);
   const kv_geometry& g = view.geometry();
-  const int pools = opts.split == budget_split::per_layer ? g.num_layers : 1;
-  const std::int64_t rows = std::int64_t{g.num_layers} * g.num_kv_heads / pools;
+  const decision_map map{opts.grain, g.num_layers, g.num_kv_heads};
+  const int per_pool = pool_decisions(opts.split, map);
+  const std::int64_t rows = std::int64_t{per_pool} * map.rows();  // (layer, kv_head) rows of a pool
   std::int64_t longest = 0;
-  for (int p = 0; p < pools; ++p) {
+  for (int first = 0; first < map.decisions(); first += per_pool) {
     std::int64_t held = 0;
-    for (std::int64_t r = p * rows; r < (p + 1) * rows; ++r)
-      held += view.length(static_cast<int>(r / g.num_kv_heads), static_cast<int>(r % g.num_kv_heads));
+    for (int d = first; d < first + per_pool; ++d)
+      for (int r = 0; r < map.rows(); ++r) {
+        int l, h;
+        map.row(d, r, l, h);
+        held += view.length(l, h);
+      }
     longest = std::max(longest, (held + rows - 1) / rows);
   }
   return longest;

@@ -56,6 +56,7 @@ enum class round_status : std::int32_t {
   unequal_rows = 4,    ///< rows sharing a decision (per_kv_head, whole_sequence) hold different slots
   bad_budget = 5,      ///< a sequence's budget is < 1, or a decision keeps more slots than the plan's stride
   no_queries = 6,      ///< a (sequence, layer, q_head) holds no window query the scorer may use
+  non_finite_value = 7,  ///< a value-aware round met a value whose weight is a NaN or an infinity
 };
 
 /// The message of the last host-side argument error of this thread ("" when none).

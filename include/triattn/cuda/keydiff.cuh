@@ -73,6 +73,7 @@ struct keydiff_score_of {
 /// KeyDiff's device scorer: `plan_round(..., keydiff_scorer{}, ...)`. No protection of its
 /// own. A non-finite key of a ranked segment sets `non_finite_key`.
 struct keydiff_scorer {
+  static constexpr score_domain domain = score_domain::logit;  ///< as the CPU policy's
   TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return {protection{}, info.budget}; }
 
   /// Workspace: one anchor per segment; writes −cos(k, anchor) of every slot of each ranked

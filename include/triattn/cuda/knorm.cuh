@@ -28,6 +28,7 @@ struct knorm_score_of {
 
 /// K-norm's device scorer: `plan_round(..., knorm_scorer{}, ...)`. No protection of its own.
 struct knorm_scorer {
+  static constexpr score_domain domain = score_domain::logit;  ///< as the CPU policy's
   TRIATTN_HOST_DEVICE row_rule rule(const round_info& info) const { return {protection{}, info.budget}; }
 
   /// Needs no workspace; writes −‖k‖₂ of every slot of each ranked segment into `scores`

@@ -179,6 +179,7 @@ __global__ void __launch_bounds__(Threads) rkv_finish(view_batch<V> batch, windo
 /// R-KV's device scorer for `plan_round`: `config` and the batch's kept window queries. Its
 /// rule protects the last `config.window` slots; otherwise as `snapkv_scorer`.
 struct rkv_scorer {
+  static constexpr score_domain domain = score_domain::logit;  ///< as the CPU policy's
   rkv_config config{};
   window_query_batch queries{};
 

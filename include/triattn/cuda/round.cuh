@@ -15,10 +15,12 @@
 ///   it); otherwise it enqueues kernels writing one score per slot of every (sequence, layer,
 ///   kv_head) row into `scores` [batch, layers, kv_heads, capacity], after its own GQA
 ///   reduction and per-row normalisation (over the slots that `rule` and the prompt leave
-///   unprotected, as on the CPU). Device failures (a non-finite key) go to `status`.
+///   unprotected, as on the CPU). Device failures (a non-finite key) go to `status`;
+/// - optionally `static constexpr score_domain domain`, as its CPU policy's (value_weighting.hpp).
 ///
 /// **The pipeline** (`plan_round`), for every sequence of a batch at once:
-/// 1. the scorer's kernels fill the score buffer;
+/// 1. the scorer's kernels fill the score buffer; a value-aware round then weights each row's
+///    candidates by their values (`round_weight_values`, the CPU's float);
 /// 2. one block per decision (sequence, d) folds its rows (`decision_map::row`, r = 0, 1, ...)
 ///    with `fold_row_score` into one score per slot, the CPU's float; checks that the rows
 ///    hold the same length and positions (else `round_status::unequal_rows`); and forms the
@@ -46,6 +48,7 @@
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/core/value_weighting.hpp"
 #include "triattn/cuda/common.cuh"
 #include "triattn/cuda/compact.cuh"
 #include "triattn/cuda/select.cuh"
@@ -59,6 +62,9 @@ struct round_inputs {
   const std::int32_t* budgets = nullptr;         ///< [batch], each >= 1 and <= the keep plan's stride
   const std::int64_t* round_starts = nullptr;    ///< [batch] next token positions, or null (TriAttention needs them)
   const std::int64_t* prompt_lengths = nullptr;  ///< [batch], or null: no prompt
+  /// A value-aware round's output projection (`gram` in device memory), or a null `gram`: the
+  /// plain value norms (core/value_weighting.hpp). Not read by other rounds.
+  value_projection projection{};
 };
 
 /// The round as the kernels see it (passed by value): the inputs, the decisions and how the
@@ -73,6 +79,8 @@ struct device_round {
   std::int64_t segments = 1;           ///< `round_options::segments`
   budget_split split = budget_split::equal;
   float split_floor = 0.2f;
+  bool value_aware = false;                    ///< `round_options::value_aware`
+  score_domain domain = score_domain::weight;  ///< the scorer's, for the value weights
 
   /// Sequence `b`'s round, as the CPU's `round_info`.
   TRIATTN_HOST_DEVICE round_info info(int b) const {
@@ -101,6 +109,29 @@ concept device_scorer =
     };
 
 namespace detail {
+
+/// Value-aware rounds: one block per (sequence, layer, kv_head) row = blockIdx.x; each candidate
+/// slot's score weighted by its value (core/value_weighting.hpp, the CPU's float), the
+/// protected slots left as they are.
+template <int Threads, class Scorer, KVCacheView V>
+__global__ void __launch_bounds__(Threads)
+    round_weight_values(view_batch<V> batch, Scorer scorer, device_round round, float* scores, std::int32_t* status) {
+  const kv_geometry& g = batch.geometry;
+  const segment_id id = segment_of(blockIdx.x, g);
+  const V& view = batch.views[id.b];
+  const std::int32_t n = view.length(id.l, id.h);
+  const protection prot = sequence_rule(scorer, round, id.b).prot;
+  const value_projection* projection = round.in.projection.gram != nullptr ? &round.in.projection : nullptr;
+  float* out = scores + static_cast<std::int64_t>(blockIdx.x) * batch.capacity;
+  float value[max_head_dim];
+  for (std::int32_t s = static_cast<std::int32_t>(threadIdx.x); s < n && n <= batch.capacity; s += Threads) {
+    if (is_protected(prot, s, n, view.position(id.l, id.h, s))) continue;
+    load_value_row(view, id.l, id.h, s, value);
+    const float w = ::TRIATTN_NAMESPACE::value_weight(value, projection, id.l, id.h, g.group_size(), g.head_dim);
+    if (!isfinite(w)) fail_round(status, round_status::non_finite_value);
+    out[s] = ::TRIATTN_NAMESPACE::value_weighted(out[s], w, round.domain);
+  }
+}
 
 /// One block per decision (sequence b, decision d) = blockIdx.x: the folded scores, positions
 /// and length of the decision, its protection and kept count (see the file comment, step 2).
@@ -201,11 +232,6 @@ inline cudaError_t check_round_options(const char* api, const round_options& o) 
     return reject(api, "budget split per_layer needs per_layer granularity: a ", granularity_name(o.grain),
                   " decision spans every layer (use per_sequence)");
   return cudaSuccess;
-}
-
-/// Decisions per pool of a budget split (a layer's kv heads, or a sequence's decisions).
-inline int pool_decisions(const device_round& round) {
-  return round.split == budget_split::per_layer ? round.map.num_kv_heads : round.map.decisions();
 }
 
 /// A budget split, step 1: one block per decision (after the per-decision rank order, with
@@ -318,16 +344,18 @@ __global__ void __launch_bounds__(Threads)
 
 }  // namespace detail
 
-/// The round of `batch` under `options` as its kernels see it.
+/// The round of `batch` under `options` as its kernels see it, for a scorer of `domain`.
 template <KVCacheView V>
-device_round make_device_round(const view_batch<V>& batch, const round_options& options, const round_inputs& inputs) {
+device_round make_device_round(const view_batch<V>& batch, const round_options& options, const round_inputs& inputs,
+                               score_domain domain) {
   const kv_geometry& g = batch.geometry;
   return {inputs,          decision_map{options.grain, g.num_layers, g.num_kv_heads},
           options.reduction, options.keeps_prompt(),
           options.budget == budget_mode::beyond_prompt,
           options.sinks,   options.recent,
           options.segments, options.split,
-          options.split_floor};
+          options.split_floor, options.value_aware,
+          domain};
 }
 
 /// The keep plan of one round of `scorer` over every sequence of `batch`: the CPU's
@@ -357,10 +385,17 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   if (split && holds_equal_lengths<V>())
     return detail::reject(api, "budget split ", budget_split_name(options.split),
                           " leaves the (layer, kv_head) rows different lengths, which this view cannot hold (equal_lengths)");
+  const value_projection& vp = inputs.projection;
+  const kv_geometry& geo = batch.geometry;
+  if (options.value_aware && vp.gram != nullptr &&
+      (vp.num_layers != geo.num_layers || vp.num_q_heads != geo.num_q_heads || vp.head_dim != geo.head_dim))
+    return detail::reject(api, "value projection of ", vp.num_layers, " layers x ", vp.num_q_heads,
+                          " q_heads x head_dim ", vp.head_dim, " does not match the cache's ", geo.num_layers, " x ",
+                          geo.num_q_heads, " x ", geo.head_dim);
   if (split && plan.stride < batch.capacity)
     return detail::reject(api, "keep plan stride ", plan.stride, " must hold the capacity ", batch.capacity,
                           " under a budget split: a decision may keep every slot it holds");
-  const device_round round = make_device_round(batch, options, inputs);
+  const device_round round = make_device_round(batch, options, inputs, score_domain_of<Scorer>());
   const kv_geometry& g = batch.geometry;
   const bool shared = round.map.rows() > 1;
   const std::int64_t decisions = std::int64_t{batch.size} * round.map.decisions();
@@ -385,7 +420,7 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   const select_segments seg{seg_scores, seg_lengths, seg_positions, static_cast<int>(decisions),
                             batch.capacity, seg_budgets, seg_prot, options.segments};
   // A budget split: the decisions' own rank order (one run), the pool keys and their sort.
-  const int per_pool = detail::pool_decisions(round), pools = static_cast<int>(decisions / per_pool);
+  const int per_pool = pool_decisions(round.split, round.map), pools = static_cast<int>(decisions / per_pool);
   const int pool_bits = detail::bits_for(per_pool);
   select_segments by_rank = seg;
   by_rank.runs = 1;
@@ -424,6 +459,11 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   if ((err = scorer.score(api, scorer_ws, scorer_bytes, batch, round, scores, status, stream)) != cudaSuccess)
     return err;
   constexpr int threads = 256;
+  if (options.value_aware) {
+    detail::round_weight_values<threads><<<static_cast<unsigned>(rows), threads, 0, stream>>>(batch, scorer, round,
+                                                                                            scores, status);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   detail::round_decide<threads><<<static_cast<unsigned>(decisions), threads, 0, stream>>>(
       batch, scorer, round, plan.stride, scores, seg_scores, seg_positions, seg_lengths, seg_budgets, seg_prot, status);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;

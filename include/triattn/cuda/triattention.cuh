@@ -305,6 +305,7 @@ cudaError_t triattention_score(void* workspace, std::size_t& workspace_bytes, co
 /// whole_sequence` with `row_reduction::max`). Needs `round_inputs::round_starts`. A NaN or
 /// infinite key of a ranked row (longer than its sequence's budget) sets `non_finite_key`.
 struct triattention_scorer {
+  static constexpr score_domain domain = score_domain::logit;  ///< as the CPU policy's
   triattention_device_stats stats{};
   triattention_config config{};
 

@@ -108,7 +108,6 @@ class expected_attention : public policy_base<expected_attention> {
   template <KVCacheView V>
   void score(const V& view, std::int64_t round_start, std::span<float> out) const {
     const char* api = "triattn::expected_attention::score";
-    validate_config(api);
     view.validate(api);
     auto rows = begin_round(api, view, round_info{resolve_round_start(api, view, {round_start}), 0, 1});
     std::vector<std::uint8_t> candidate;

@@ -21,6 +21,7 @@
 #include "triattn/core/kv_cache_view.hpp"
 #include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
+#include "triattn/core/value_weighting.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/query_window.hpp"
 
@@ -43,6 +44,8 @@ template <class Derived>
 class key_scored_policy : public policy_base<Derived> {
  public:
   key_scored_config config;
+  /// Key-only scores rank like logits (−‖k‖, −cos): a value weight adds ln w.
+  static constexpr score_domain domain = score_domain::logit;
 
   key_scored_policy() = default;
   explicit key_scored_policy(key_scored_config c) : config(c) {}

@@ -41,6 +41,7 @@
 #include "triattn/core/error.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/core/value_weighting.hpp"
 #include "triattn/policies/query_window.hpp"
 #include "triattn/policies/redundancy.hpp"
 #include "triattn/policies/window_config.hpp"
@@ -111,6 +112,8 @@ class rkv : public window_policy<rkv> {
  public:
   static constexpr std::string_view name = "rkv";
   static constexpr const char* plan_api = "triattn::rkv::plan";
+  /// Importance minus redundancy takes either sign: a value weight adds ln w, as to a logit.
+  static constexpr score_domain domain = score_domain::logit;
   rkv_config config;
 
   rkv() = default;

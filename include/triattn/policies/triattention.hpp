@@ -36,6 +36,10 @@
 /// raised for the largest values (value-norm protection). With `score_ema` > 0 the policy keeps
 /// per-slot state (`state()`, moved by compaction): one object per sequence, like H2O.
 ///
+/// **Without a statistics file** (`online(tokens)`): the statistics of the sequence's own
+/// queries at positions [0, tokens), observed post-RoPE and frozen by the first round
+/// (calibration/online.hpp); one object per sequence.
+///
 /// **Non-finite keys**: scoring throws `triattn::error` naming the API and the (layer, kv_head,
 /// slot); since scoring runs before compaction, a failed round leaves the cache untouched.
 #pragma once
@@ -52,6 +56,7 @@
 #include <utility>
 #include <vector>
 
+#include "triattn/calibration/online.hpp"
 #include "triattn/calibration/query_stats.hpp"
 #include "triattn/core/compaction.hpp"
 #include "triattn/core/config.hpp"
@@ -61,6 +66,7 @@
 #include "triattn/core/round.hpp"
 #include "triattn/core/schedule.hpp"
 #include "triattn/core/selection.hpp"
+#include "triattn/core/value_weighting.hpp"
 #include "triattn/policies/policy.hpp"
 #include "triattn/policies/redundancy.hpp"
 #include "triattn/policies/triattention_config.hpp"
@@ -72,6 +78,8 @@ class triattention : public policy_base<triattention> {
  public:
   static constexpr std::string_view name = "triattention";
   static constexpr const char* plan_api = "triattn::triattention::plan";
+  /// Predicted logits (z-scored per row by default): a value weight adds ln w.
+  static constexpr score_domain domain = score_domain::logit;
   triattention_config config;
 
   /// A policy for the model `stats` was calibrated on; `stats` is checked for consistency now
@@ -83,7 +91,31 @@ class triattention : public policy_base<triattention> {
     validate_config(api);
   }
 
-  const query_stats& stats() const { return stats_; }
+  /// TriAttention calibrated on the running sequence (calibration/online.hpp): no statistics
+  /// file; `attach` the sequence's view, `observe` its query rows (post-RoPE, as for the
+  /// policies that read queries), and its first round freezes the statistics of the queries at
+  /// positions [0, tokens) (0: every query observed before the round: the prompt, for a round
+  /// after the prefill). One object per sequence.
+  static triattention online(std::int64_t tokens = 0, triattention_config c = triattention_config::paper()) {
+    return triattention(online_query_stats(tokens), c);
+  }
+
+  /// The statistics the policy scores with (an online policy's: once its first round froze them).
+  const query_stats& stats() const { return online_ ? online_->stats() : stats_; }
+
+  /// Starts an online policy's calibration afresh for `view`'s sequence; nothing otherwise.
+  template <KVCacheView V>
+  void attach(const V& view) {
+    if (!online_) return;
+    const char* api = "triattn::triattention::attach";
+    view.validate(api);
+    online_->attach(view.geometry());
+  }
+  /// One query row of an online policy's sequence (see `online`); ignored otherwise.
+  void observe(int layer, int q_head, std::int32_t position, std::span<const float> q_post_rope,
+               [[maybe_unused]] std::span<const float> probs = {}) {
+    if (online_) online_->observe(layer, q_head, position, q_post_rope);
+  }
   const round_options& round() const { return config.round; }
 
   /// The last `window` slots are protected.
@@ -119,14 +151,14 @@ class triattention : public policy_base<triattention> {
   template <KVCacheView V>
   auto begin_round(const char* api, const V& view, const round_info& info) const {
     validate_config(api);
-    stats_.check_against(api, view.geometry());
+    round_stats(api).check_against(api, view.geometry());
     if (config.score_ema > 0.0f) start_history(view);
     return row_scorer<V>(*this, api, view, info.round_start, info.budget);
   }
 
   /// Whether one object may serve many sequences (`compress_batch` with one policy): only
   /// score_ema keeps per-sequence state.
-  bool stateless() const { return config.score_ema <= 0.0f; }
+  bool stateless() const { return config.score_ema <= 0.0f && !online_; }
   /// score_ema's history, moved by `compact` with the slots (empty when β = 0).
   std::vector<slot_state> state() {
     if (config.score_ema <= 0.0f || pending_.empty()) return {};
@@ -145,7 +177,16 @@ class triattention : public policy_base<triattention> {
   }
 
  private:
+  explicit triattention(online_query_stats online, triattention_config c) : config(c), online_(std::move(online)) {
+    validate_config("triattn::triattention::online");
+  }
+
   query_stats stats_;
+  // An online policy's calibration. Mutable: its first round (planning is const) freezes it.
+  mutable std::optional<online_query_stats> online_;
+
+  /// The round's statistics: an online policy's frozen now if they are not yet.
+  const query_stats& round_stats(const char* api) const { return online_ ? online_->freeze(api) : stats_; }
   // score_ema: the last committed decision score per slot [layers, kv_heads, capacity] (NaN:
   // none) and the round in progress. Mutable: planning (const) writes only `pending_`, which
   // becomes the history only once the round's compaction has succeeded.
@@ -188,7 +229,7 @@ class triattention : public policy_base<triattention> {
   void check_inputs(const char* api, const V& view) const {
     validate_config(api);
     view.validate(api);
-    stats_.check_against(api, view.geometry());
+    round_stats(api).check_against(api, view.geometry());
   }
 
   /// The folded scorer of one round: phasors once per round, coefficients once per (layer,
@@ -220,7 +261,7 @@ class triattention : public policy_base<triattention> {
       for (int j = 0; j < sets_; ++j)
         triattention_phasors(w.data(), F, round_start, offsets.data() + j * per_set, per_set, w_re_.data() + j * F,
                              w_im_.data() + j * F);
-      scale_ = triattention_coefficient_scale(p_.stats_.attention_scale, g_.keys);
+      scale_ = triattention_coefficient_scale(p_.stats().attention_scale, g_.keys);
       if (g_.keys == key_state::pre_rope) build_chunk_tables(w);
     }
 
@@ -229,14 +270,14 @@ class triattention : public policy_base<triattention> {
       const int D = g_.head_dim, F = D / 2, G = g_.group_size(), R = triattention_coefficient_row(sets_, F);
       coef_.assign(static_cast<std::size_t>(G) * R, 0.0f);  // [G, R]
       for (int gi = 0; gi < G; ++gi) {
-        const std::size_t row = p_.stats_.row(l, kvh * G + gi);
-        const float *qr = p_.stats_.q_mean_real.data() + row, *qi = p_.stats_.q_mean_imag.data() + row;
+        const std::size_t row = p_.stats().row(l, kvh * G + gi);
+        const float *qr = p_.stats().q_mean_real.data() + row, *qi = p_.stats().q_mean_imag.data() + row;
         float* c = coef_.data() + static_cast<std::ptrdiff_t>(gi) * R;
         for (int j = 0; j < sets_ && !p_.config.disable_trig; ++j)
           triattention_trig_coefficients(qr, qi, w_re_.data() + j * F, w_im_.data() + j * F, F, scale_, c + 2 * j * F,
                                          c + 2 * j * F + F);
         if (!p_.config.disable_norm)
-          triattention_norm_coefficients(qr, qi, p_.stats_.q_abs_mean.data() + row, F, scale_, c + 2 * sets_ * F);
+          triattention_norm_coefficients(qr, qi, p_.stats().q_abs_mean.data() + row, F, scale_, c + 2 * sets_ * F);
       }
       const std::int32_t n = view_.length(l, kvh);
       raw.resize(static_cast<std::size_t>(G) * n);
