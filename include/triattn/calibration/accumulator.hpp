@@ -181,6 +181,8 @@ class query_stats_accumulator {
   std::int64_t num_traces() const { return num_traces_; }
   /// Tokens (per layer) of the closed traces so far.
   std::int64_t num_tokens() const { return num_tokens_; }
+  /// Tokens `layer` has received in the open trace.
+  std::int64_t open_tokens(int layer) const { return open_tokens_[static_cast<std::size_t>(layer)]; }
 
  private:
   /// Per (layer, q-head, band): Re, Im of the complex band and its modulus, summed.

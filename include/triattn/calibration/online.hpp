@@ -68,18 +68,17 @@ class online_query_stats {
     std::copy(q_post_rope.begin(), q_post_rope.end(), r.q.begin() + static_cast<std::ptrdiff_t>(q_head) * g.head_dim);
     if (++r.count < g.num_q_heads) return;
     acc_->add_post_rope(layer, r.q, position);
-    ++r.tokens;
     r.count = 0;
     std::fill(r.seen.begin(), r.seen.end(), 0);
   }
-
-  bool frozen() const { return stats_.has_value(); }
 
   /// The statistics of every complete token observed (frozen at the first call), naming `api`
   /// when there is none yet.
   const query_stats& freeze(const char* api) {
     if (stats_) return *stats_;
-    TRIATTN_CHECK(!rows_.empty() && std::all_of(rows_.begin(), rows_.end(), [](const layer_rows& r) { return r.tokens > 0; }), api,
+    bool complete = acc_.has_value();
+    for (int l = 0; complete && l < geometry_.num_layers; ++l) complete = acc_->open_tokens(l) > 0;
+    TRIATTN_CHECK(complete, api,
                   "online calibration has observed no complete token yet: observe the sequence's queries "
                   "(every q_head of every layer) before its first round");
     acc_->end_trace();
@@ -97,7 +96,6 @@ class online_query_stats {
     std::vector<std::uint8_t> seen;   // [num_q_heads]
     int count = 0;              // q_heads of the token in progress
     std::int32_t position = 0;  // of the token in progress
-    std::int64_t tokens = 0;    // complete tokens accumulated
   };
   std::int64_t tokens_ = 0;
   kv_geometry geometry_{};

@@ -33,6 +33,8 @@
 #include <cmath>
 #include <cstdint>
 #include <span>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "triattn/core/config.hpp"
@@ -73,12 +75,22 @@ struct value_projection {
     return gram + (static_cast<std::int64_t>(layer) * num_q_heads + q_head) * head_dim * head_dim;
   }
 
+  /// The projection's first problem against a cache of geometry `g`, or "" (a message, not a
+  /// throw, so that the CUDA entry point checks the same rules).
+  std::string error(const kv_geometry& g) const {
+    std::ostringstream os;
+    if (num_layers != g.num_layers || num_q_heads != g.num_q_heads || head_dim != g.head_dim) {
+      os << "value projection of " << num_layers << " layers x " << num_q_heads << " q_heads x head_dim " << head_dim
+         << " does not match the cache's " << g.num_layers << " x " << g.num_q_heads << " x " << g.head_dim;
+    } else if (gram == nullptr) {
+      os << "value projection has no data (gram is null)";
+    }
+    return os.str();
+  }
   /// Throws naming `api` unless the projection has `g`'s shape and data.
   void validate(const char* api, const kv_geometry& g) const {
-    TRIATTN_CHECK(num_layers == g.num_layers && num_q_heads == g.num_q_heads && head_dim == g.head_dim, api,
-                  "value projection of ", num_layers, " layers x ", num_q_heads, " q_heads x head_dim ", head_dim,
-                  " does not match the cache's ", g.num_layers, " x ", g.num_q_heads, " x ", g.head_dim);
-    TRIATTN_CHECK(gram != nullptr, api, "value projection has no data (gram is null)");
+    const std::string e = error(g);
+    TRIATTN_CHECK(e.empty(), api, e);
   }
 };
 

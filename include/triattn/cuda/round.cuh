@@ -79,7 +79,6 @@ struct device_round {
   std::int64_t segments = 1;           ///< `round_options::segments`
   budget_split split = budget_split::equal;
   float split_floor = 0.2f;
-  bool value_aware = false;                    ///< `round_options::value_aware`
   score_domain domain = score_domain::weight;  ///< the scorer's, for the value weights
 
   /// Sequence `b`'s round, as the CPU's `round_info`.
@@ -354,8 +353,7 @@ device_round make_device_round(const view_batch<V>& batch, const round_options& 
           options.budget == budget_mode::beyond_prompt,
           options.sinks,   options.recent,
           options.segments, options.split,
-          options.split_floor, options.value_aware,
-          domain};
+          options.split_floor, domain};
 }
 
 /// The keep plan of one round of `scorer` over every sequence of `batch`: the CPU's
@@ -385,13 +383,8 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   if (split && holds_equal_lengths<V>())
     return detail::reject(api, "budget split ", budget_split_name(options.split),
                           " leaves the (layer, kv_head) rows different lengths, which this view cannot hold (equal_lengths)");
-  const value_projection& vp = inputs.projection;
-  const kv_geometry& geo = batch.geometry;
-  if (options.value_aware && vp.gram != nullptr &&
-      (vp.num_layers != geo.num_layers || vp.num_q_heads != geo.num_q_heads || vp.head_dim != geo.head_dim))
-    return detail::reject(api, "value projection of ", vp.num_layers, " layers x ", vp.num_q_heads,
-                          " q_heads x head_dim ", vp.head_dim, " does not match the cache's ", geo.num_layers, " x ",
-                          geo.num_q_heads, " x ", geo.head_dim);
+  if (options.value_aware && inputs.projection.gram != nullptr)
+    if (const std::string e = inputs.projection.error(batch.geometry); !e.empty()) return detail::reject(api, e);
   if (split && plan.stride < batch.capacity)
     return detail::reject(api, "keep plan stride ", plan.stride, " must hold the capacity ", batch.capacity,
                           " under a budget split: a decision may keep every slot it holds");
