@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -208,5 +209,115 @@ TEST_CASE("a hand-built plan whose offsets do not frame its indices is refused, 
     auto decreasing = good;
     std::swap(decreasing.offsets[1], decreasing.offsets[2]);
     if (decreasing.offsets[1] != decreasing.offsets[2]) check_refused(decreasing, "offsets decrease");
+  }
+}
+
+namespace {
+/// A cell cache in the manner of llama.cpp's: every (layer, kv_head) reads one slot map (slot
+/// s is the dense cache's slot `cell[s]`), and a round frees cells instead of moving rows.
+struct cell_cache_view {
+  triattn::dense_kv_view cells{};  // the rows the cells index
+  std::int32_t* cell = nullptr;    // [capacity] the cell of each slot
+  std::int32_t* pos = nullptr;     // [capacity]
+  std::int32_t* count = nullptr;   // the sequence's cells
+  index_list* freed = nullptr;     // the cells `free_evicted` released, in slot order
+  bool refuse = false;
+  static constexpr bool equal_lengths = true;
+
+  const triattn::kv_geometry& geometry() const { return cells.geometry(); }
+  std::int64_t capacity() const { return cells.capacity(); }
+  std::byte* key(int l, int h, std::int64_t s) const { return cells.key(l, h, cell[s]); }
+  std::byte* value(int l, int h, std::int64_t s) const { return cells.value(l, h, cell[s]); }
+  std::int32_t length(int, int) const { return *count; }
+  void set_length(int, int, std::int32_t n) const { *count = n; }
+  std::int32_t& position(int, int, std::int64_t s) const { return pos[s]; }
+  void validate(const char* api) const { cells.validate(api); }
+  void free_evicted(const triattn::keep_plan& plan) const {
+    TRIATTN_CHECK(!refuse, "cell_cache_view::free_evicted", "the engine refused");
+    const auto keep = plan.row(0, 0);
+    std::size_t k = 0;
+    for (std::int32_t s = 0; s < *count; ++s) {
+      if (k < keep.size() && keep[k] == s) {
+        cell[k] = cell[s];
+        pos[k] = pos[s];
+        ++k;
+      } else {
+        freed->push_back(cell[s]);
+      }
+    }
+    *count = static_cast<std::int32_t>(keep.size());
+  }
+};
+static_assert(triattn::KVCacheView<cell_cache_view>);
+}  // namespace
+
+TEST_CASE("a view that frees evicted slots in place: no row moves, the plan reaches its hook, the state still moves") {
+  for (std::uint64_t seed = 405; seed < 425; ++seed) {
+    auto g = triattn_test::rng(seed);
+    test_cache c(triattn_test::random_shape(g, triattn_test::cache_layout::dense_nhd, triattn::dtype::f16, 1), g);
+    const auto& s = c.shape();
+    INFO(s.describe() << " seed " << seed);
+    slot_arrays st(s, g);
+    // The sequence's cells: a shuffled subset of the dense cache's slots, positions ascending.
+    index_list cell(static_cast<std::size_t>(s.capacity)), pos(cell.size());
+    std::iota(cell.begin(), cell.end(), 0);
+    std::shuffle(cell.begin(), cell.end(), g);
+    std::uniform_int_distribution<std::int32_t> len(0, static_cast<std::int32_t>(s.capacity));
+    std::int32_t length = len(g);
+    for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<std::int32_t>(3 * i + 1);
+    index_list freed;
+    cell_cache_view v{c.dense_view(), cell.data(), pos.data(), &length, &freed};
+
+    index_list keep;
+    std::bernoulli_distribution take(0.5);
+    for (std::int32_t i = 0; i < length; ++i)
+      if (take(g)) keep.push_back(i);
+    const auto plan = triattn::keep_plan::shared(s.num_layers, s.num_kv_heads, keep);
+    const auto rows_before = c.snapshot();
+    const index_list cell_before = cell, pos_before = pos;
+    const std::int32_t length_before = length;
+    const auto states_before = std::make_pair(st.per_head, st.per_query);
+    auto states = st.states();
+
+    // A hand-built plan whose rows differ is refused before the hook runs.
+    if (s.num_layers * s.num_kv_heads > 1 && !keep.empty()) {
+      triattn::keep_plan uneven(s.num_layers, s.num_kv_heads);
+      for (int r = 0; r < s.num_layers * s.num_kv_heads; ++r)
+        uneven.push_row(r == 0 ? std::span<const std::int32_t>(keep) : std::span<const std::int32_t>(keep).first(keep.size() - 1));
+      CHECK_THROWS_WITH(triattn::compact(v, uneven, states), Catch::Contains("triattn::compact") && Catch::Contains("equal_lengths"));
+    }
+    // An engine that refuses leaves everything as it was, the state included.
+    v.refuse = true;
+    CHECK_THROWS_WITH(triattn::compact(v, plan, states), Catch::Contains("the engine refused"));
+    CHECK((cell == cell_before && pos == pos_before && length == length_before));
+    CHECK(std::make_pair(st.per_head, st.per_query) == states_before);
+    CHECK(freed.empty());
+
+    v.refuse = false;
+    const auto result = triattn::compact(v, plan, states);
+    CHECK(result.freed_pages.empty());
+    CHECK(c.snapshot() == rows_before);  // no K or V row moved
+    REQUIRE(length == static_cast<std::int32_t>(keep.size()));
+    index_list want_freed;
+    for (std::int32_t i = 0, k = 0; i < length_before; ++i) {
+      if (k < static_cast<std::int32_t>(keep.size()) && keep[static_cast<std::size_t>(k)] == i) {
+        CHECK(cell[static_cast<std::size_t>(k)] == cell_before[static_cast<std::size_t>(i)]);
+        CHECK(pos[static_cast<std::size_t>(k)] == pos_before[static_cast<std::size_t>(i)]);
+        ++k;
+      } else {
+        want_freed.push_back(cell_before[static_cast<std::size_t>(i)]);
+      }
+    }
+    CHECK(freed == want_freed);
+    // The state moved as a compaction moves it: slot keep[i] to i, in every row.
+    for (int l = 0; l < s.num_layers; ++l)
+      for (int h = 0; h < s.num_kv_heads; ++h)
+        for (std::size_t i = 0; i < keep.size(); ++i) {
+          const auto from = static_cast<std::size_t>((l * s.num_kv_heads + h) * s.capacity + keep[i]);
+          REQUIRE(st.a(l, h, static_cast<std::int64_t>(i)) == states_before.first[from]);
+          for (int r = 2 * h; r < 2 * h + 2; ++r)
+            REQUIRE(st.b(l, r, static_cast<std::int64_t>(i)) ==
+                    states_before.second[static_cast<std::size_t>(l * st.layer_stride + r * st.row_stride + keep[i])]);
+        }
   }
 }

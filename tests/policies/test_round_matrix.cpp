@@ -1420,12 +1420,15 @@ TEST_CASE("budget splits and segments are refused where they cannot apply, namin
   try_round(o, cache.view(), {"triattn::compress", "split floor 1.5", "[0, 1]"});
   o.split_floor = 0.2f;
   cell_view cells{cache.view()};
-  try_round(o, cells, {"triattn::compress", "budget split per_layer", "equal_lengths"});
+  // A split needs several decisions; a cell view allows one (union): refused either way.
+  try_round(o, cells, {"triattn::compress", "granularity per_layer", "equal_lengths", "union"});
   o.split = triattn::budget_split::equal;
+  try_round(o, cells, {"triattn::compress", "granularity per_layer", "equal_lengths", "union"});
+  o.grain = granularity::whole_sequence;
   o.segments = 0;
   try_round(o, cache.view(), {"triattn::compress", "segments 0", "[1, 65536]"});
   o.segments = 1;
-  {  // an equal split on the cell view is fine
+  {  // one keep set on the cell view is fine
     triattn::knorm p(triattn::key_scored_config{o});
     triattn::compress(p, cells, 4);
     CHECK(cache.view().length(0, 0) == 4);

@@ -113,6 +113,9 @@ void validate_plan(const char* api, const V& view, const keep_plan& plan) {
         TRIATTN_CHECK(i == 0 || keep[i] > keep[i - 1], api, "keep indices of layer ", l, " kv_head ", h,
                       " are not strictly ascending: ", keep[i - 1], " then ", keep[i]);
       }
+      if constexpr (holds_equal_lengths<V>())
+        TRIATTN_CHECK(std::ranges::equal(keep, plan.row(0, 0)), api, "keep indices of layer ", l, " kv_head ", h,
+                      " differ from those of layer 0 kv_head 0, but the view's rows hold the same tokens (equal_lengths)");
     }
   }
 }
@@ -154,6 +157,31 @@ void gather_elements(std::byte* base, std::span<const std::int32_t> keep, std::i
     std::memcpy(base + i * Bytes, base + static_cast<std::size_t>(keep[i]) * Bytes, Bytes);
 }
 
+/// The first index of `keep` that moves: the kept prefix [0, first) stays where it is.
+inline std::int64_t first_moved(std::span<const std::int32_t> keep) {
+  std::int64_t first = 0;
+  while (first < static_cast<std::int64_t>(keep.size()) && keep[static_cast<std::size_t>(first)] == first) ++first;
+  return first;
+}
+
+/// Gathers every state row of (layer l, kv_head h) by `keep`, from index `first` on.
+inline void gather_states(int l, int h, std::span<const std::int32_t> keep, std::int64_t first,
+                          std::span<const slot_state> states) {
+  const auto m = static_cast<std::int64_t>(keep.size());
+  for (const slot_state& st : states) {
+    const auto e = static_cast<std::int64_t>(st.elem_bytes);
+    for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
+      std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * e;
+      switch (st.elem_bytes) {  // the sizes of float and double state: element copies the compiler inlines
+        case 4: gather_elements<4>(base, keep, first); break;
+        case 8: gather_elements<8>(base, keep, first); break;
+        default:
+          for (std::int64_t i = first; i < m; ++i) std::memmove(base + i * e, base + keep[i] * e, static_cast<std::size_t>(e));
+      }
+    }
+  }
+}
+
 /// Compacts one (layer, kv_head): K, then V (each a stream of reads, the source rows
 /// requested `ahead` runs early: the hardware prefetcher does not follow a gather), then
 /// positions and every state row, each in one pass over the keep indices.
@@ -161,8 +189,7 @@ template <std::size_t Bytes, KVCacheView V>
 void compact_row(const V& view, int l, int h, std::span<const std::int32_t> keep, std::size_t row_bytes,
                  std::span<const slot_state> states) {
   const auto m = static_cast<std::int64_t>(keep.size());
-  std::int64_t first = 0;
-  while (first < m && keep[first] == first) ++first;  // the kept prefix stays where it is
+  const std::int64_t first = first_moved(keep);
   const auto move_all = [&](auto row) {
     constexpr std::int64_t ahead = 16;
     for (std::int64_t i = first; i < m;) {
@@ -176,18 +203,7 @@ void compact_row(const V& view, int l, int h, std::span<const std::int32_t> keep
   move_all([&](std::int64_t s) { return view.key(l, h, s); });
   move_all([&](std::int64_t s) { return view.value(l, h, s); });
   for (std::int64_t i = first; i < m; ++i) view.position(l, h, i) = view.position(l, h, keep[i]);
-  for (const slot_state& st : states) {
-    const auto e = static_cast<std::int64_t>(st.elem_bytes);
-    for (int r = h * st.rows_per_kv_head; r < (h + 1) * st.rows_per_kv_head; ++r) {
-      std::byte* base = st.data + (l * st.layer_stride + r * st.row_stride) * e;
-      switch (st.elem_bytes) {  // the sizes of float and double state: element copies the compiler inlines
-        case 4: gather_elements<4>(base, keep, first); break;
-        case 8: gather_elements<8>(base, keep, first); break;
-        default:
-          for (std::int64_t i = first; i < m; ++i) std::memmove(base + i * e, base + keep[i] * e, static_cast<std::size_t>(e));
-      }
-    }
-  }
+  gather_states(l, h, keep, first, states);
   view.set_length(l, h, static_cast<std::int32_t>(m));
 }
 
@@ -202,6 +218,16 @@ compaction_result compact_validated(const char* api, const V& view, const keep_p
                   "slot_state is null or has elem_bytes ", st.elem_bytes, ", rows_per_kv_head ", st.rows_per_kv_head);
 
   const kv_geometry& g = view.geometry();
+  if constexpr (requires { view.free_evicted(plan); }) {
+    // The engine frees the evicted slots in place (it may refuse, before anything changed);
+    // only the policy's state moves.
+    view.free_evicted(plan);
+    parallel(std::int64_t{g.num_layers} * g.num_kv_heads, [&](std::int64_t r, int) {
+      const int l = static_cast<int>(r / g.num_kv_heads), h = static_cast<int>(r % g.num_kv_heads);
+      gather_states(l, h, plan.row(l, h), first_moved(plan.row(l, h)), states);
+    });
+    return {};
+  }
   const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dtype_bytes(g.type);
   const std::int32_t before = max_length(view);
   const auto each_row = [&]<std::size_t Bytes>() {

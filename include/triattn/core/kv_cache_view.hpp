@@ -121,8 +121,14 @@ struct slot_table {
 /// - `v.freed_pages(before, after)`: the pages a compaction from `before` to `after` slots
 ///   (the largest length over every (layer, kv_head)) released, for the engine's allocator;
 /// - `V::equal_lengths` (a `static constexpr bool`): true for a cache whose every (layer,
-///   kv_head) holds the same slots (a cell-based cache such as llama.cpp's, where one cell
-///   holds a token for every layer and head); a round refuses head-adaptive budgets on it.
+///   kv_head) holds the same tokens in the same slots (a cell-based cache such as llama.cpp's,
+///   where one cell holds a token for every layer and head): a round on it must decide one keep
+///   set for the sequence (union granularity, no budget split), and a keep plan's rows must be
+///   equal;
+/// - `v.free_evicted(plan)`: the engine frees the slots a validated keep plan evicts in its
+///   own cache instead of the rows moving (llama.cpp's cells: `llama_memory_seq_rm`), and the
+///   view updates its own slot map, positions and lengths; it may throw, before it changes
+///   anything. Compaction then moves no K or V row; the policy's per-slot state still moves.
 template <class V>
 concept KVCacheView = std::is_trivially_copyable_v<V> &&
                       requires(const V v, int l, int h, std::int64_t s, std::int32_t n, const char* api) {

@@ -283,6 +283,9 @@ void check_round_options(const char* api, const round_options& opts) {
                 " must be >= 0");
   TRIATTN_CHECK(opts.segments >= 1 && opts.segments <= max_segments, api, "round segments ", opts.segments,
                 " must be in [1, ", max_segments, "]");
+  TRIATTN_CHECK(!holds_equal_lengths<V>() || opts.grain == granularity::whole_sequence, api, "granularity ",
+                granularity_name(opts.grain), " decides more than one keep set, but this view's rows hold the same tokens "
+                "(equal_lengths): use union (whole_sequence)");
   if (opts.split == budget_split::equal) return;
   TRIATTN_CHECK(opts.split == budget_split::per_layer || opts.split == budget_split::per_sequence, api,
                 "budget split ", static_cast<int>(opts.split), " is not a triattn::budget_split");
@@ -293,8 +296,6 @@ void check_round_options(const char* api, const round_options& opts) {
   TRIATTN_CHECK(opts.split != budget_split::per_layer || opts.grain == granularity::per_layer, api,
                 "budget split per_layer needs per_layer granularity: a ", granularity_name(opts.grain),
                 " decision spans every layer (use per_sequence)");
-  TRIATTN_CHECK(!holds_equal_lengths<V>(), api, "budget split ", budget_split_name(opts.split),
-                " leaves the (layer, kv_head) rows different lengths, which this view cannot hold (equal_lengths)");
 }
 
 /// One decision of a round: its slots' positions, which compete, what it keeps.

@@ -380,9 +380,10 @@ cudaError_t plan_round(void* workspace, std::size_t& workspace_bytes, const view
   if (const cudaError_t err = detail::check_round_options(api, options); err != cudaSuccess) return err;
   if (plan.stride < 1) return detail::reject(api, "keep plan stride ", plan.stride, " must be >= 1");
   const bool split = options.split != budget_split::equal;
-  if (split && holds_equal_lengths<V>())
-    return detail::reject(api, "budget split ", budget_split_name(options.split),
-                          " leaves the (layer, kv_head) rows different lengths, which this view cannot hold (equal_lengths)");
+  if (holds_equal_lengths<V>() && options.grain != granularity::whole_sequence)
+    return detail::reject(api, "granularity ", granularity_name(options.grain),
+                          " decides more than one keep set, but this view's rows hold the same tokens (equal_lengths): "
+                          "use union (whole_sequence)");
   if (options.value_aware && inputs.projection.gram != nullptr)
     if (const std::string e = inputs.projection.error(batch.geometry); !e.empty()) return detail::reject(api, e);
   if (split && plan.stride < batch.capacity)
