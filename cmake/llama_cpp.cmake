@@ -1,5 +1,5 @@
-# The llama.cpp-backed programs (TRIATTN_WITH_LLAMA_CPP=ON): builds ggml and llama from a
-# llama.cpp source tree (CPU only, static) and finds SmolLM2-135M-Instruct.
+# The llama.cpp-backed programs (TRIATTN_WITH_LLAMA_CPP=ON): builds ggml, llama and the patched
+# llama-server from a llama.cpp source tree (CPU only, static) and finds SmolLM2-135M-Instruct.
 #
 # Cache variables:
 #   TRIATTN_LLAMA_CPP_DIR  the llama.cpp source tree (with include/llama.h)
@@ -12,6 +12,8 @@
 #   triattn_llama_cpp      INTERFACE: links llama and ggml, with their include folders (as
 #                          system folders, so that triattn's -Werror does not apply to them),
 #                          and defines TRIATTN_WITH_GGUF=1.
+#   triattn_llama_server   builds llama.cpp's llama-server with triattn's --kv-* flags
+#                          ($<TARGET_FILE:llama-server>).
 # The model path is left to the consumers (e.g. a compile definition of their own).
 
 set(TRIATTN_LLAMA_CPP_DIR "" CACHE PATH
@@ -59,7 +61,8 @@ if(NOT EXISTS "${_triattn_llama_tree}/include/llama.h" OR NOT EXISTS "${_triattn
 endif()
 # The view over llama.cpp's cache reads it through the accessors the patches add.
 file(STRINGS "${_triattn_llama_tree}/include/llama.h" _triattn_patched REGEX "llama_memory_seq_cells")
-if(NOT _triattn_patched)
+file(STRINGS "${_triattn_llama_tree}/common/common.h" _triattn_patched_server REGEX "kv_policy")
+if(NOT _triattn_patched OR NOT _triattn_patched_server)
   message(FATAL_ERROR "triattn: llama.cpp \"${_triattn_llama_tree}\" lacks triattn's patches: apply "
                       "${PROJECT_SOURCE_DIR}/patches/llama.cpp/*.patch to it (patch -p1), or set "
                       "TRIATTN_LLAMA_CPP_DIR empty to fetch a patched copy")
@@ -79,9 +82,13 @@ function(_triattn_add_llama_cpp)
   set(LLAMA_OPENSSL OFF)
   set(LLAMA_BUILD_TESTS OFF)
   set(LLAMA_BUILD_EXAMPLES OFF)
-  set(LLAMA_BUILD_TOOLS OFF)
-  set(LLAMA_BUILD_SERVER OFF)
-  set(LLAMA_BUILD_COMMON OFF)
+  # llama-server (with triattn's patch) and what it needs: common, tools/server. The folder
+  # is EXCLUDE_FROM_ALL, so of the other tools nothing is built.
+  set(LLAMA_BUILD_TOOLS ON)
+  set(LLAMA_BUILD_SERVER ON)
+  set(LLAMA_BUILD_COMMON ON)
+  set(LLAMA_USE_PREBUILT_UI OFF)  # it would download the web UI at build time
+  set(LLAMA_BUILD_UI OFF)         # it would need npm
   set(LLAMA_BUILD_APP OFF)
   set(LLAMA_BUILD_MTMD OFF)
   set(LLAMA_ALL_WARNINGS OFF)
@@ -105,6 +112,13 @@ function(_triattn_add_llama_cpp)
   add_subdirectory("${_triattn_llama_tree}" "${PROJECT_BINARY_DIR}/_deps/llama.cpp" EXCLUDE_FROM_ALL SYSTEM)
 endfunction()
 _triattn_add_llama_cpp()
+
+# The patched llama-server's decode loop (the server-context library) calls
+# runner/triattn_llama_server.hpp: triattn's headers, C++20.
+target_compile_features(server-context PRIVATE cxx_std_20)
+target_include_directories(server-context PRIVATE "${PROJECT_SOURCE_DIR}")
+target_link_libraries(server-context PRIVATE triattn)
+add_custom_target(triattn_llama_server ALL DEPENDS llama-server)
 
 add_library(triattn_llama_cpp INTERFACE)
 target_link_libraries(triattn_llama_cpp INTERFACE llama ggml)

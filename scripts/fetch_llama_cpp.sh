@@ -52,8 +52,7 @@ fi
 
 # --- triattn's patches ---------------------------------------------------------------------
 # The pristine tree stays as unpacked; the patched copy is named by the patches' sha256, so a
-# changed patch makes a new copy (and the old copies go) and a clone with other patches never
-# builds against this one's.
+# changed patch makes a new copy and a clone with other patches never builds against this one's.
 patch_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/../patches/llama.cpp" && pwd)
 patches=("$patch_dir"/*.patch)
 [ -f "${patches[0]}" ] || { say "no patch in $patch_dir"; exit 1; }
@@ -71,9 +70,9 @@ if [ "$(cat "$patched/.triattn-patched" 2>/dev/null)" != "$patch_sha" ]; then
   done
   echo "$patch_sha" >"$patched.part/.triattn-patched"
   mv "$patched.part" "$patched"
-  for old in "$cache"/llama.cpp-0.3.36-*; do
-    [ "$old" = "$patched" ] || [ ! -f "$old/.triattn-patched" ] || rm -rf "$old"
-  done
+  # Copies made for other patches go once unused for two days (a build of another clone may
+  # still be reading one).
+  find "$cache" -maxdepth 1 -name 'llama.cpp-0.3.36-*' ! -name "${patched##*/}" -mtime +2 -exec rm -rf {} +
 fi
 flock -u 9
 
