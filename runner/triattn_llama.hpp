@@ -381,4 +381,18 @@ class held_sequence {
   sequence_stats stats_;
 };
 
+/// The registry's policy `entry` made for llama.cpp's cells: one keep set per sequence (a
+/// cell holds every layer and head), rounds when a sequence holds `slack` cells past its
+/// budget, and the newest token always kept (llama.cpp continues after it).
+inline triattn::basic_any_policy<cells_view> cells_policy(const triattn::basic_policy_entry<cells_view>& entry,
+                                                          const triattn::policy_inputs& in, std::int64_t slack) {
+  triattn::basic_any_policy<cells_view> p = *entry.create(in);
+  triattn::round_options r = p.round();
+  r.grain = triattn::granularity::whole_sequence;
+  r.sched = triattn::schedule::with_slack(slack);
+  r.recent = std::max<std::int64_t>(r.recent, 1);
+  p.set_round(r);
+  return p;
+}
+
 }  // namespace triattn_llama

@@ -122,19 +122,11 @@ class server_cache {
     return out;
   }
 
-  // The slot's sequence, bound to the context: the registry's policy with one keep set per
-  // sequence (a cell holds every layer and head), the server's schedule, and the newest
-  // token always kept (the server continues after it).
+  // The slot's sequence, bound to the context, with a fresh policy.
   std::unique_ptr<held_sequence<policy_type>> make_slot(int slot) {
-    policy_type p = *entry_->create(inputs_);
-    triattn::round_options r = p.round();
-    r.grain = triattn::granularity::whole_sequence;
-    r.sched = triattn::schedule::with_slack(opts_.slack);
-    r.recent = std::max<std::int64_t>(r.recent, 1);
-    p.set_round(r);
     options o;
     o.budget = opts_.budget;
-    auto h = std::make_unique<held_sequence<policy_type>>(model_, slot, std::move(p), o);
+    auto h = std::make_unique<held_sequence<policy_type>>(model_, slot, cells_policy(*entry_, inputs_, opts_.slack), o);
     h->bind(ctx_);
     return h;
   }
