@@ -15,7 +15,6 @@
 //        [--tokens 1536] [--reps 5] [--threads 2] [--policies streaming_llm,triattention,snapkv]
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -27,6 +26,7 @@
 
 #include <llama.h>
 
+#include "eval/eval_common.hpp"
 #include "runner/ggml_bridge.hpp"
 #include "runner/triattn_llama.hpp"
 
@@ -142,15 +142,6 @@ run_result run(llama_model* model, const options& o, const std::string& policy, 
   return r;
 }
 
-std::pair<double, double> mean_se(const std::vector<double>& x) {
-  double m = 0.0;
-  for (const double v : x) m += v;
-  m /= static_cast<double>(x.size());
-  double ss = 0.0;
-  for (const double v : x) ss += (v - m) * (v - m);
-  return {m, x.size() > 1 ? std::sqrt(ss / static_cast<double>(x.size() - 1) / static_cast<double>(x.size())) : 0.0};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -187,8 +178,8 @@ int main(int argc, char** argv) {
         tps.push_back(results[c][static_cast<std::size_t>(rep)].tokens_per_second);
         ratio.push_back(tps.back() / results[0][static_cast<std::size_t>(rep)].tokens_per_second);
       }
-      const auto [tm, ts] = mean_se(tps);
-      const auto [rm, rs] = mean_se(ratio);
+      const auto [tm, ts] = triattn_eval::mean_and_se(tps);
+      const auto [rm, rs] = triattn_eval::mean_and_se(ratio);
       const run_result& last = results[c].back();
       const bool queries = !configs[c].empty() && triattn::find_policy<triattn_llama::cells_view>(configs[c])->needs.queries;
       if (configs[c].empty()) {
