@@ -227,29 +227,30 @@ compaction_result compact_validated(const char* api, const V& view, const keep_p
       gather_states(l, h, plan.row(l, h), first_moved(plan.row(l, h)), states);
     });
     return {};
+  } else {  // the rows move: the compaction proper
+    const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dtype_bytes(g.type);
+    const std::int32_t before = max_length(view);
+    const auto each_row = [&]<std::size_t Bytes>() {
+      parallel(std::int64_t{g.num_layers} * g.num_kv_heads, [&](std::int64_t r, int) {
+        const int l = static_cast<int>(r / g.num_kv_heads), h = static_cast<int>(r % g.num_kv_heads);
+        compact_row<Bytes>(view, l, h, plan.row(l, h), row_bytes, states);
+      });
+    };
+    switch (row_bytes) {  // the row sizes of head_dim 64 / 128 / 256 in 1, 2 and 4 bytes
+      case 64: each_row.template operator()<64>(); break;
+      case 128: each_row.template operator()<128>(); break;
+      case 256: each_row.template operator()<256>(); break;
+      case 512: each_row.template operator()<512>(); break;
+      case 1024: each_row.template operator()<1024>(); break;
+      default: each_row.template operator()<0>(); break;
+    }
+    compaction_result result;
+    if constexpr (requires { view.freed_pages(before, before); }) {
+      const auto freed = view.freed_pages(before, max_length(view));
+      result.freed_pages.assign(freed.begin(), freed.end());
+    }
+    return result;
   }
-  const std::size_t row_bytes = static_cast<std::size_t>(g.head_dim) * dtype_bytes(g.type);
-  const std::int32_t before = max_length(view);
-  const auto each_row = [&]<std::size_t Bytes>() {
-    parallel(std::int64_t{g.num_layers} * g.num_kv_heads, [&](std::int64_t r, int) {
-      const int l = static_cast<int>(r / g.num_kv_heads), h = static_cast<int>(r % g.num_kv_heads);
-      compact_row<Bytes>(view, l, h, plan.row(l, h), row_bytes, states);
-    });
-  };
-  switch (row_bytes) {  // the row sizes of head_dim 64 / 128 / 256 in 1, 2 and 4 bytes
-    case 64: each_row.template operator()<64>(); break;
-    case 128: each_row.template operator()<128>(); break;
-    case 256: each_row.template operator()<256>(); break;
-    case 512: each_row.template operator()<512>(); break;
-    case 1024: each_row.template operator()<1024>(); break;
-    default: each_row.template operator()<0>(); break;
-  }
-  compaction_result result;
-  if constexpr (requires { view.freed_pages(before, before); }) {
-    const auto freed = view.freed_pages(before, max_length(view));
-    result.freed_pages.assign(freed.begin(), freed.end());
-  }
-  return result;
 }
 }  // namespace detail
 
