@@ -52,10 +52,13 @@ def request(port, path, body=None, timeout=600):
             return e.code, text
 
 
+# Every server here runs one thread (-t 1): CTest runs two tests at once on CI's two cores, and
+# two processes whose OpenMP teams spin at ggml's per-node barriers slow each other badly (CI, stop 36:
+# the adapter test past 900 s beside this one, against ~100 s here).
 def start_up_fails(server, model, extra, want, scratch):
     """The server with `extra` flags must exit non-zero before serving, naming `want`."""
     cmd = [server, "-m", model, "--host", "127.0.0.1", "--port", str(free_port()), "-c", "1024", "--parallel", "2",
-           "-t", "2"] + extra
+           "-t", "1"] + extra
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
@@ -94,7 +97,7 @@ def main():
     log_path = os.path.join(scratch, "server.log")
     log = open(log_path, "w")
     proc = subprocess.Popen([server, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                             "-c", str(2 * CELLS_PER_SLOT), "--parallel", "2", "-t", "2", "-fa", "on",
+                             "-c", str(2 * CELLS_PER_SLOT), "--parallel", "2", "-t", "1", "-fa", "on",
                              "--kv-policy", "triattention", "--kv-budget", str(BUDGET), "--kv-slack", str(SLACK),
                              "--kv-stats", stats], stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -80,7 +80,7 @@ TEST_CASE("llama.cpp with a budget above the answer: no round, every logit the f
   const fs::path csv = dir.path() / "q.csv";
   const cli::result r = cli::run_cli(dir, {"quality", "--model", gguf_path.string(), "--prompts", test_prompts.string(),
                                            "--count", "1", "--policies", "streaming_llm,snapkv", "--budgets", "200",
-                                           "--tokens", "100", "--csv", csv.string()});
+                                           "--tokens", "100", "--threads", "1", "--csv", csv.string()});
   INFO(r.command << "\n" << r.err);
   REQUIRE(r.code == 0);
   const std::vector<row> rows = read_csv(csv);
@@ -98,7 +98,7 @@ TEST_CASE("llama.cpp generates 600 tokens through 256 cells, every policy above 
   const std::string stats = smollm2_stats().string();
   const ggml_bridge::vocab vocab(gguf_path);
   const std::vector<std::string> common = {"--model", gguf_path.string(), "--stats", stats, "--budget", "128",
-                                           "--slack", "64", "--batch", "64", "--tokens", "600"};
+                                           "--slack", "64", "--batch", "64", "--tokens", "600", "--threads", "1"};
 
   for (const std::string policy : {"triattention", "streaming_llm", "snapkv"}) {
     const fs::path ids = dir.path() / (policy + ".ids");
@@ -126,7 +126,7 @@ TEST_CASE("llama.cpp generates 600 tokens through 256 cells, every policy above 
 
   const fs::path csv = dir.path() / "q.csv";
   std::vector<std::string> args = {"quality", "--prompts", test_prompts.string(), "--count", "1", "--policies",
-                                   "triattention,streaming_llm,snapkv,random", "--budgets", "128", "--csv", csv.string()};
+                                   "triattention,streaming_llm,snapkv,random", "--budgets", "128", "--threads", "1", "--csv", csv.string()};
   args.insert(args.end(), common.begin(), common.end());
   const cli::result r = cli::run_cli(dir, args);
   INFO(r.command << "\n" << r.err);
@@ -169,7 +169,10 @@ ggml_bridge::detail::context_ptr open_context(llama_model* model, std::uint32_t 
   p.n_ctx = n_ctx;
   p.n_batch = p.n_ubatch = 64;
   p.n_seq_max = seqs;
-  p.n_threads = p.n_threads_batch = 2;
+  // One thread: CTest runs two tests at once on CI's two cores, and two processes whose
+  // OpenMP teams spin at ggml's per-node barriers on shared cores slow each other badly (CI, stop
+  // 36: this test past its 900 s beside llamacpp_server, against ~100 s here).
+  p.n_threads = p.n_threads_batch = 1;
   p.flash_attn_type = fa;
   p.type_k = p.type_v = cache_type;
   p.cb_eval = cb;
