@@ -7,8 +7,8 @@
 #
 # OUT_DIR (default build/llamacpp): stats.safetensors (unless --stats), quality.csv and
 # quality.md (eval/prompts/test.txt: every prompt answered with 2,048 tokens by llama.cpp with a
-# full cache, TriAttention, StreamingLLM, SnapKV and random eviction at budgets 256, 512 and
-# 1024 teacher-forced along it), long.txt (a 4,096-token answer through a 512-cell cache),
+# full cache, then llama.cpp's own context shift, TriAttention, StreamingLLM, SnapKV and random
+# eviction at budgets 256, 512 and 1024, each in budget + 64 + 64 cells, teacher-forced along it), long.txt (a 4,096-token answer through a 512-cell cache),
 # side_by_side.md (one prompt, 512 tokens: the full cache's answer and TriAttention's at budget
 # 256, the same sampler seed), summary.md. Environment: BUILD_DIR (default build/default, which
 # has llama.cpp), SMOLLM2_GGUF (default: the configured or fetched model).
@@ -42,9 +42,9 @@ if [[ -z $stats ]]; then
   stats=$out/stats.safetensors
 fi
 
-echo "== quality: llama.cpp's full cache against each policy, teacher-forced along its answers"
+echo "== quality: llama.cpp's full cache against its context shift and each policy, teacher-forced along its answers"
 "$run" quality --model "$model" --stats "$stats" --prompts "$root/eval/prompts/test.txt" \
-  --policies triattention,streaming_llm,snapkv,random --budgets 256,512,1024 --slack 64 --batch 64 --tokens 2048 \
+  --policies context_shift,triattention,streaming_llm,snapkv,random --budgets 256,512,1024 --slack 64 --batch 64 --tokens 2048 \
   --csv "$out/quality.csv" > "$out/quality.md"
 cat "$out/quality.md"
 

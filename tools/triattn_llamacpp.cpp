@@ -11,12 +11,13 @@
 //                    [--stats S] [--slack 64] [--batch 64] [--tokens 600] [--count N] [--csv OUT]
 //       Teacher-forced along llama.cpp's full-cache answer: for every prompt, one full-cache
 //       context samples the answer and every (policy, budget) context reads the same tokens in
-//       lockstep; KL(full || compressed) and top-1 agreement per step after the context's
-//       first round (every step if none ran), from both contexts' own logits. A markdown
+//       lockstep; KL(full || compressed) and top-1 agreement per step once the tokens reach
+//       budget + slack (every step if they never do), from both contexts' own logits. A markdown
 //       table (mean ± standard error across prompts) on stdout; --csv: one row a prompt.
 //
 // Policies: triattention (needs --stats, from `triattn calibrate --model M.gguf`),
-// streaming_llm, snapkv (reads Qcur), random (the floor), full (generate only). Every policy
+// streaming_llm, snapkv (reads Qcur), random (the floor), context_shift (llama.cpp's own, as
+// llama-server does it, in the same cells), full (generate only). Every policy
 // decides one keep set per sequence (llama.cpp's cells hold every layer and head). The sampler
 // is llama.cpp's: a repetition penalty (1.2 over the last 128 tokens, as eval/run_grid.sh),
 // temperature and a seeded draw, with the end-of-generation tokens banned so that answers run
@@ -40,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "eval/eval_common.hpp"
 #include "runner/ggml_bridge.hpp"
 #include "runner/triattn_llama.hpp"
 #include "triattn/triattn.hpp"
@@ -91,7 +93,7 @@ Config per_sequence(Config c, triattn::schedule sched) {
   return c;
 }
 
-constexpr std::string_view policy_list = "triattention, streaming_llm, snapkv, random";
+constexpr std::string_view policy_list = "triattention, streaming_llm, snapkv, random, context_shift";
 
 policy_type make_policy(std::string_view name, const triattn::query_stats* stats, triattn::schedule sched) {
   if (name == "streaming_llm") return policy_type(triattn::streaming_llm(per_sequence(triattn::streaming_llm_config{}, sched)));
@@ -109,14 +111,20 @@ policy_type make_policy(std::string_view name, const triattn::query_stats* stats
 
 bool needs_queries(std::string_view name) { return name == "snapkv"; }
 
-/// One llama.cpp context decoding one sequence (seq 0), full or held at a budget. Flash
-/// attention is on for every context (the held ones read V row-major; the full one decodes
-/// the same way, so that the comparison measures the cache alone).
+/// How a context's cache behaves when it fills: a full cache never fills; a held one runs the
+/// policy's rounds; context shift is what llama.cpp users have today (llama-server's
+/// default: drop the older half of the cells after n_keep = 0, plus BOS where the model adds
+/// one, and shift the rest's positions down; server-context.cpp, "slot context shift").
+enum class cache_mode { full, held, context_shift };
+
+/// One llama.cpp context decoding one sequence (seq 0). Flash attention is on for every
+/// context (the held ones read V row-major; the others decode the same way, so that the
+/// comparison measures the cache alone).
 class sequence {
  public:
   sequence(llama_model* model, std::int64_t n_ctx, std::int32_t batch, int threads, std::unique_ptr<held_sequence> held,
-           bool reads_queries)
-      : held_(std::move(held)), reads_queries_(reads_queries), batch_(batch) {
+           bool reads_queries, cache_mode mode)
+      : held_(std::move(held)), reads_queries_(reads_queries), mode_(mode), batch_(batch) {
     llama_context_params p = llama_context_default_params();
     p.n_ctx = static_cast<std::uint32_t>(n_ctx);
     p.n_batch = p.n_ubatch = static_cast<std::uint32_t>(batch);
@@ -131,6 +139,7 @@ class sequence {
     ctx_.reset(llama_init_from_model(model, p));
     TRIATTN_CHECK(ctx_ != nullptr, "triattn_llamacpp", "llama_init_from_model failed for n_ctx ", n_ctx);
     if (held_) held_->bind(ctx_.get());
+    keep_ = llama_vocab_get_add_bos(llama_model_get_vocab(model)) ? 1 : 0;
   }
 
   /// Decodes `tokens` in batches of at most `batch`; the logits of the last token are ready
@@ -138,6 +147,7 @@ class sequence {
   void feed(std::span<const llama_token> tokens, std::int64_t prompt_length) {
     for (std::size_t i = 0; i < tokens.size(); i += static_cast<std::size_t>(batch_)) {
       const auto n = static_cast<std::int32_t>(std::min<std::size_t>(static_cast<std::size_t>(batch_), tokens.size() - i));
+      if (mode_ == cache_mode::context_shift && cells_ + n > static_cast<std::int64_t>(llama_n_ctx(ctx_.get()))) shift();
       if (held_ && reads_queries_) {
         positions_.resize(static_cast<std::size_t>(n));
         for (std::int32_t j = 0; j < n; ++j) positions_[static_cast<std::size_t>(j)] = static_cast<llama_pos>(next_ + j);
@@ -152,6 +162,8 @@ class sequence {
                     " tokens; the context has ", llama_n_ctx(ctx_.get()), " cells)");
       decode_seconds_ += wall - (held_ ? held_->stats().capture_seconds - capture_before : 0.0);
       next_ += n;
+      cells_ += n;
+      peak_cells_ = std::max(peak_cells_, cells_);
       if (held_) held_->end_batch(prompt_length);
     }
   }
@@ -164,13 +176,32 @@ class sequence {
   /// triattn's time: the copies of queries out of the graph and the rounds (with their seq_rm calls).
   double triattn_seconds() const { return held_ ? held_->stats().capture_seconds + held_->stats().round_seconds : 0.0; }
   std::int64_t next_position() const { return next_; }
+  /// The rounds of a held cache, or the shifts of a context-shifting one.
+  std::int64_t rounds() const { return held_ ? held_->stats().rounds : shifts_; }
+  std::int64_t peak_cells() const { return held_ ? held_->stats().peak_cells : peak_cells_; }
 
  private:
+  /// llama-server's shift: with its cells compact at positions 0..cells_-1, the
+  /// (cells_ - keep_) / 2 after the first keep_ go, and the rest move down by as many (llama.cpp
+  /// re-rotates their keys on the next decode).
+  void shift() {
+    const std::int64_t discard = (cells_ - keep_) / 2;
+    TRIATTN_CHECK(discard > 0, "triattn_llamacpp", "context shift: nothing to discard from ", cells_, " cells");
+    llama_memory_t mem = llama_get_memory(ctx_.get());
+    const auto p0 = static_cast<llama_pos>(keep_), p1 = static_cast<llama_pos>(keep_ + discard);
+    TRIATTN_CHECK(llama_memory_seq_rm(mem, 0, p0, p1), "triattn_llamacpp", "context shift: llama_memory_seq_rm refused");
+    llama_memory_seq_add(mem, 0, p1, -1, -static_cast<llama_pos>(discard));
+    cells_ -= discard;
+    ++shifts_;
+  }
+
   std::unique_ptr<held_sequence> held_;  // before ctx_: llama.cpp's callback points into it
   bool reads_queries_;
+  cache_mode mode_;
   ggml_bridge::detail::context_ptr ctx_;
   std::int32_t batch_;
   std::int64_t next_ = 0;
+  std::int64_t cells_ = 0, peak_cells_ = 0, shifts_ = 0, keep_ = 0;
   std::vector<llama_pos> positions_;
   double decode_seconds_ = 0.0;
 };
@@ -280,13 +311,16 @@ std::vector<llama_token> chat_tokens(const ggml_bridge::vocab& v, const std::str
 /// A context for `policy` at `budget`; `full`: a full cache of `length` tokens.
 std::unique_ptr<sequence> open_sequence(llama_model* model, const options& o, const std::string& policy,
                                         std::int64_t budget, const triattn::query_stats* stats, std::int64_t length) {
-  if (policy == "full") return std::make_unique<sequence>(model, length + o.batch, o.batch, o.threads, nullptr, false);
+  // Every bounded context has the same cells: the budget, the slack and one batch.
+  const std::int64_t cells = budget + o.slack + o.batch;
+  if (policy == "full") return std::make_unique<sequence>(model, length + o.batch, o.batch, o.threads, nullptr, false, cache_mode::full);
+  if (policy == "context_shift")
+    return std::make_unique<sequence>(model, cells, o.batch, o.threads, nullptr, false, cache_mode::context_shift);
   triattn_llama::options a;
   a.budget = budget;
   a.feed_queries = needs_queries(policy);
   auto held = std::make_unique<held_sequence>(model, 0, make_policy(policy, stats, triattn::schedule::with_slack(o.slack)), a);
-  // The cells in use never exceed the budget, the slack and one batch.
-  return std::make_unique<sequence>(model, budget + o.slack + o.batch, o.batch, o.threads, std::move(held), a.feed_queries);
+  return std::make_unique<sequence>(model, cells, o.batch, o.threads, std::move(held), a.feed_queries, cache_mode::held);
 }
 
 int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, const triattn::query_stats* stats) {
@@ -300,7 +334,8 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
                 o.policies.front().c_str(), static_cast<long long>(o.budgets.front()), static_cast<long long>(o.slack),
                 o.batch, llama_n_ctx(seq->context()), static_cast<long long>(o.tokens));
   else
-    std::printf("triattn_llamacpp generate: full cache, batch %d, n_ctx %u, %lld tokens\n", o.batch,
+    std::printf("triattn_llamacpp generate: %s, batch %d, n_ctx %u, %lld tokens\n",
+                o.policies.front() == "full" ? "full cache" : "llama.cpp's context shift", o.batch,
                 llama_n_ctx(seq->context()), static_cast<long long>(o.tokens));
   std::printf("prompt (%zu tokens): %s\n\n", ids.size(), prompt.c_str());
   seq->feed(ids, static_cast<std::int64_t>(ids.size()));
@@ -329,6 +364,9 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
                 s.rounds > 0 ? 1e3 * s.round_seconds / static_cast<double>(s.rounds) : 0.0,
                 1e3 * s.capture_seconds / tokens, needs_queries(o.policies.front()) ? "" : " (none: no callback)",
                 1e3 * seq->triattn_seconds() / tokens);
+  } else if (seq->rounds() > 0) {
+    std::printf("context shifts: %lld, cells in use at most %lld (n_ctx %u)\n", static_cast<long long>(seq->rounds()),
+                static_cast<long long>(seq->peak_cells()), llama_n_ctx(seq->context()));
   }
   std::printf("llama.cpp decode: %.3f ms per token (%.1f tokens/s)\n", 1e3 * seq->decode_seconds() / tokens,
               tokens / seq->decode_seconds());
@@ -360,16 +398,6 @@ struct cell_result {
   std::int64_t rounds = 0, peak_cells = 0, capacity = 0, n_ctx = 0, steps = 0, invalid_tokens = 0;
 };
 
-std::pair<double, double> mean_se(const std::vector<double>& x) {
-  double m = 0.0;
-  for (const double v : x) m += v;
-  m /= static_cast<double>(x.size());
-  double ss = 0.0;
-  for (const double v : x) ss += (v - m) * (v - m);
-  const double se = x.size() > 1 ? std::sqrt(ss / static_cast<double>(x.size() - 1) / static_cast<double>(x.size())) : 0.0;
-  return {m, se};
-}
-
 int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, const triattn::query_stats* stats) {
   std::ifstream in(o.prompts);
   TRIATTN_CHECK(in.good(), "triattn_llamacpp", o.prompts, ": cannot read");
@@ -399,16 +427,17 @@ int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, c
       const auto top = [n_vocab](const float* x) { return std::max_element(x, x + n_vocab) - x; };
       const auto ref_top = top(ref);
       for (std::size_t i = 0; i < held.size(); ++i) {
-        // Before its first round a context holds the full cache: the steps after it are
-        // counted apart (at one budget the first round comes at the same step for every
-        // policy). A context that never compresses reports every step instead: its KL
-        // measures the comparison itself, which must be 0.
+        // Until the answer reaches budget + slack tokens (where the policies' first round
+        // runs) every context holds the full cache: the steps after that are counted apart,
+        // from the same step for every context at one budget (context shift's first shift
+        // comes one batch later, when its cells are full). A context that never gets there
+        // reports every step instead: its KL measures the comparison itself, which must be 0.
         cell_result& c = cells[i];
         const double kl = kl_divergence(ref, held[i]->logits(), n_vocab);
         const double agree = top(held[i]->logits()) == ref_top ? 1.0 : 0.0;
         c.kl_all += kl;
         c.top1_all += agree;
-        if (held[i]->held()->stats().rounds == 0) continue;
+        if (full->next_position() < c.budget + o.slack) continue;
         c.kl += kl;
         c.top1 += agree;
         ++c.steps;
@@ -420,7 +449,6 @@ int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, c
     }
     for (std::size_t i = 0; i < held.size(); ++i) {
       cell_result& c = cells[i];
-      const triattn_llama::sequence_stats& s = held[i]->held()->stats();
       if (c.steps == 0) {
         c.kl = c.kl_all;
         c.top1 = c.top1_all;
@@ -428,8 +456,8 @@ int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, c
       }
       c.kl /= static_cast<double>(c.steps);
       c.top1 /= static_cast<double>(c.steps);
-      c.rounds = s.rounds;
-      c.peak_cells = s.peak_cells;
+      c.rounds = held[i]->rounds();
+      c.peak_cells = held[i]->peak_cells();
       c.capacity = c.budget + o.slack + o.batch;
       c.n_ctx = llama_n_ctx(held[i]->context());
       c.triattn_s = held[i]->triattn_seconds();
@@ -448,7 +476,7 @@ int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, c
           << c.triattn_s << ',' << c.decode_s << '\n';
     TRIATTN_CHECK(out.good(), "triattn_llamacpp", o.csv, ": write failed");
   }
-  std::printf("| policy | budget | KL(full ‖ policy) | top-1 agreement | rounds | peak cells | triattn / llama.cpp decode time |\n");
+  std::printf("| policy | budget | KL(full ‖ policy) | top-1 agreement | rounds (shifts) | peak cells | triattn / llama.cpp decode time |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
   for (const std::string& policy : o.policies)
     for (const std::int64_t budget : o.budgets) {
@@ -462,9 +490,9 @@ int quality(llama_model* model, const ggml_bridge::vocab& v, const options& o, c
           rounds += c.rounds;
           peak = std::max(peak, c.peak_cells);
         }
-      const auto [klm, kls] = mean_se(kl);
-      const auto [tm, ts] = mean_se(top1);
-      const auto [rm, rs] = mean_se(ratio);
+      const auto [klm, kls] = triattn_eval::mean_and_se(kl);
+      const auto [tm, ts] = triattn_eval::mean_and_se(top1);
+      const auto [rm, rs] = triattn_eval::mean_and_se(ratio);
       std::printf("| %s | %lld | %.4f ± %.4f | %.3f ± %.3f | %.1f | %lld | %.4f ± %.4f |\n", policy.c_str(),
                   static_cast<long long>(budget), klm, kls, tm, ts, static_cast<double>(rounds) / static_cast<double>(kl.size()),
                   static_cast<long long>(peak), rm, rs);

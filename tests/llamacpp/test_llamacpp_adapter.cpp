@@ -126,20 +126,23 @@ TEST_CASE("llama.cpp generates 600 tokens through 256 cells, every policy above 
 
   const fs::path csv = dir.path() / "q.csv";
   std::vector<std::string> args = {"quality", "--prompts", test_prompts.string(), "--count", "1", "--policies",
-                                   "triattention,streaming_llm,snapkv,random", "--budgets", "128", "--threads", "1", "--csv", csv.string()};
+                                   "triattention,streaming_llm,snapkv,random,context_shift", "--budgets", "128", "--threads", "1",
+                                   "--csv", csv.string()};
   args.insert(args.end(), common.begin(), common.end());
   const cli::result r = cli::run_cli(dir, args);
   INFO(r.command << "\n" << r.err);
   REQUIRE(r.code == 0);
   std::map<std::string, row> by_policy;
   for (const row& x : read_csv(csv)) by_policy[x.at("policy")] = x;
-  REQUIRE(by_policy.size() == 4);
+  REQUIRE(by_policy.size() == 5);
   const double random_kl = std::stod(by_policy.at("random").at("kl"));
+  const int steps = std::stoi(by_policy.at("random").at("steps"));
   for (const auto& [policy, x] : by_policy) {
     INFO(policy << ": KL " << x.at("kl") << ", random " << random_kl);
     // Counted from the first round: the prompt and 192 - prompt tokens come before it.
     CHECK(std::stoi(x.at("steps")) > 400);
     CHECK(std::stoi(x.at("steps")) < 600);
+    CHECK(std::stoi(x.at("steps")) == steps);  // every context counted from the same step
     CHECK(std::stoi(x.at("rounds")) >= 1);
     CHECK(std::stoi(x.at("peak_cells")) <= 256);
     CHECK(std::stoi(x.at("n_ctx")) <= 256);
@@ -147,8 +150,26 @@ TEST_CASE("llama.cpp generates 600 tokens through 256 cells, every policy above 
     const double kl = std::stod(x.at("kl"));
     CHECK(std::isfinite(kl));
     CHECK(kl > 0.0);  // evictions happened: the logits must differ from the full cache's
-    if (policy != "random") CHECK(kl < random_kl);
+    if (policy != "random" && policy != "context_shift") CHECK(kl < random_kl);
   }
+
+  // Context shift, as llama-server does it: full cells (256) before each shift, which keeps
+  // n_keep (BOS where the model adds one) and the newer half of the rest. The prompt's length
+  // follows from the steps counted (those from token 192 = budget + slack on).
+  const ggml_bridge::detail::model_ptr model = ggml_bridge::detail::load_model(gguf_path.string(), true, "test");
+  const int keep = llama_vocab_get_add_bos(llama_model_get_vocab(model.get())) ? 1 : 0;
+  int cells = 192 - (600 - steps), shifts = 0;
+  for (int t = 0; t < 600; ++t) {
+    if (cells + 1 > 256) {
+      cells -= (cells - keep) / 2;
+      ++shifts;
+    }
+    ++cells;
+  }
+  const row& shift = by_policy.at("context_shift");
+  CHECK(std::stoi(shift.at("rounds")) == shifts);
+  CHECK(std::stoi(shift.at("peak_cells")) == 256);
+  CHECK(shift.at("triattn_s") == "0");
 }
 
 namespace {
