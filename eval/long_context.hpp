@@ -943,6 +943,17 @@ inline int run_passkey(int argc, char** argv) {
       for (const double d : depths)
         for (int t = 0; t < o.trials; ++t)
           all.push_back(f == "passkey" ? make_passkey(tm, c, d, t, o.seed) : make_needle_sample(tm, hay, f, c, d, t, o.seed));
+  // The samples as token ids, for other engines' clients (eval/server_passkey.py sends them to
+  // llama-server): one a line, tab-separated family, context, depth, trial, key, then the
+  // prompt's ids (the prefill's, then the question's) separated by spaces.
+  std::ostringstream prompts;
+  for (const passkey_sample& s : all) {
+    prompts << s.family << '\t' << s.context << '\t' << fmt("%g", s.depth) << '\t' << s.trial << '\t' << s.key << '\t';
+    for (std::size_t i = 0; i < s.prefill.size() + s.question.size(); ++i)
+      prompts << (i > 0 ? " " : "") << (i < s.prefill.size() ? s.prefill[i] : s.question[i - s.prefill.size()]);
+    prompts << '\n';
+  }
+  write_file(o.out, "passkey_prompts.tsv", prompts.str());
   const std::size_t F = fractions.size(), S = all.size();
   const std::size_t per_context = families.size() * depths.size() * static_cast<std::size_t>(o.trials);
   // One batch a group of samples of one context (each sample with its full cache and every row),

@@ -14,13 +14,14 @@ Usage: test_llama_server.py SERVER TRIATTN MODEL SOURCE_DIR SCRATCH
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "eval"))
+import llama_server  # noqa: E402  (eval/llama_server.py)
+from llama_server import free_port, request  # noqa: E402
 
 BUDGET, SLACK, CELLS_PER_SLOT, TOKENS = 256, 64, 512, 1500
 
@@ -28,28 +29,6 @@ BUDGET, SLACK, CELLS_PER_SLOT, TOKENS = 256, 64, 512, 1500
 def fail(msg):
     print("FAIL: " + msg, flush=True)
     sys.exit(1)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def request(port, path, body=None, timeout=600):
-    """(status, parsed JSON) of a GET (body None) or POST."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read().decode())
-    except urllib.error.HTTPError as e:
-        text = e.read().decode()
-        try:
-            return e.code, json.loads(text)
-        except ValueError:
-            return e.code, text
 
 
 # Every server here runs one thread (-t 1): CTest runs two tests at once on CI's two cores, and
@@ -93,45 +72,23 @@ def main():
     start_up_fails(server, model, ["--kv-policy", "h2o", "--kv-budget", "256"], "attention probabilities", scratch)
     start_up_fails(server, model, ["--kv-policy", "streaming_llm", "--kv-budget", "500"], "do not fit", scratch)
 
-    port = free_port()
-    log_path = os.path.join(scratch, "server.log")
-    log = open(log_path, "w")
-    proc = subprocess.Popen([server, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                             "-c", str(2 * CELLS_PER_SLOT), "--parallel", "2", "-t", "1", "-fa", "on",
-                             "--kv-policy", "triattention", "--kv-budget", str(BUDGET), "--kv-slack", str(SLACK),
-                             "--kv-stats", stats], stdout=log, stderr=subprocess.STDOUT)
+    srv = llama_server.running_server(server, ["-m", model, "-c", str(2 * CELLS_PER_SLOT), "--parallel", "2", "-t", "1",
+                                               "-fa", "on", "--kv-policy", "triattention", "--kv-budget", str(BUDGET),
+                                               "--kv-slack", str(SLACK), "--kv-stats", stats],
+                                      os.path.join(scratch, "server.log"))
     try:
-        serve(port, proc)
-    except SystemExit:
-        log.flush()
-        print(open(log_path).read()[-6000:], flush=True)
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        with srv as port:
+            try:
+                serve(port)
+            except SystemExit:
+                print(srv.log_tail(), flush=True)
+                raise
+    except llama_server.server_error as e:
+        fail(str(e))
     print("ok: the server stopped", flush=True)
 
 
-def serve(port, proc):
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            fail(f"the server exited with {proc.returncode} before serving")
-        try:
-            status, _ = request(port, "/health", timeout=5)
-            if status == 200:
-                break
-        except (urllib.error.URLError, ConnectionError, socket.timeout):
-            pass
-        if time.time() > deadline:
-            fail("the server was not healthy after 300 s")
-        time.sleep(0.5)
-
+def serve(port):
     status, slots = request(port, "/slots")
     if status != 200 or len(slots) != 2 or any(s["n_ctx"] != CELLS_PER_SLOT for s in slots):
         fail(f"/slots: {status} {slots}")

@@ -23,6 +23,7 @@
 #include <deque>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <random>
@@ -497,6 +498,23 @@ TEST_CASE("triattn_eval retrieval: needles in the model's own prose, and one rou
         : name(std::move(n)), family(std::move(f)), depth(d), sample(std::move(s)), prompt(std::move(p)) {}
     triattn_runner::session& session() { return x ? x->session : *full; }
   };
+  // passkey_prompts.tsv: each sample's ids, as built here. [family + depth] -> ids
+  std::map<std::string, std::vector<int>> written_prompts;
+  {
+    std::ifstream in(dir.path() / "out" / "passkey_prompts.tsv");
+    for (std::string line; std::getline(in, line);) {
+      std::vector<std::string> f;
+      std::stringstream fields(line);
+      for (std::string x; std::getline(fields, x, '\t');) f.push_back(x);
+      REQUIRE(f.size() == 6);
+      CHECK(f[1] == std::to_string(context));
+      std::vector<int> ids;
+      std::stringstream id_text(f[5]);
+      for (int id; id_text >> id;) ids.push_back(id);
+      written_prompts[f[0] + " " + f[2] + " " + f[4]] = ids;
+    }
+  }
+  CHECK(written_prompts.size() == families.size() * 2);
   std::deque<oracle_row> rows;
   const std::int64_t budget = std::llround(fraction * static_cast<double>(context));
   for (const std::string& family : families)
@@ -506,6 +524,7 @@ TEST_CASE("triattn_eval retrieval: needles in the model's own prose, and one rou
       std::vector<int> prompt = s.prefill;
       prompt.insert(prompt.end(), s.question.begin(), s.question.end());
       const auto n = static_cast<std::int64_t>(prompt.size());
+      CHECK(written_prompts[family + " " + (depth == 0.25 ? "0.25" : "0.75") + " " + std::to_string(s.key)] == prompt);
       CHECK(n <= context + 8);  // the asked context, to a sentence
       CHECK(n >= context * 4 / 5);
       const std::string text = tm.decode(s.prefill);
