@@ -111,20 +111,17 @@ policy_type make_policy(std::string_view name, const triattn::query_stats* stats
 
 bool needs_queries(std::string_view name) { return name == "snapkv"; }
 
-/// How a context's cache behaves when it fills: a full cache never fills; a held one runs the
-/// policy's rounds; context shift is what llama.cpp users have today (llama-server's
-/// default: drop the older half of the cells after n_keep = 0, plus BOS where the model adds
-/// one, and shift the rest's positions down; server-context.cpp, "slot context shift").
-enum class cache_mode { full, held, context_shift };
-
-/// One llama.cpp context decoding one sequence (seq 0). Flash attention is on for every
-/// context (the held ones read V row-major; the others decode the same way, so that the
-/// comparison measures the cache alone).
+/// One llama.cpp context decoding one sequence (seq 0): with a full cache, held at a budget
+/// (`held`), or shifting context when full (`context_shift`: what llama.cpp users have today,
+/// llama-server's default: drop the older half of the cells after n_keep = 0, plus BOS where
+/// the model adds one, and shift the rest's positions down; server-context.cpp, "slot context
+/// shift"). Flash attention is on for every context (the held ones read V row-major; the
+/// others decode the same way, so that the comparison measures the cache alone).
 class sequence {
  public:
   sequence(llama_model* model, std::int64_t n_ctx, std::int32_t batch, int threads, std::unique_ptr<held_sequence> held,
-           bool reads_queries, cache_mode mode)
-      : held_(std::move(held)), reads_queries_(reads_queries), mode_(mode), batch_(batch) {
+           bool reads_queries, bool context_shift)
+      : held_(std::move(held)), reads_queries_(reads_queries), context_shift_(context_shift), batch_(batch) {
     llama_context_params p = llama_context_default_params();
     p.n_ctx = static_cast<std::uint32_t>(n_ctx);
     p.n_batch = p.n_ubatch = static_cast<std::uint32_t>(batch);
@@ -147,7 +144,7 @@ class sequence {
   void feed(std::span<const llama_token> tokens, std::int64_t prompt_length) {
     for (std::size_t i = 0; i < tokens.size(); i += static_cast<std::size_t>(batch_)) {
       const auto n = static_cast<std::int32_t>(std::min<std::size_t>(static_cast<std::size_t>(batch_), tokens.size() - i));
-      if (mode_ == cache_mode::context_shift && cells_ + n > static_cast<std::int64_t>(llama_n_ctx(ctx_.get()))) shift();
+      if (context_shift_ && cells_ + n > static_cast<std::int64_t>(llama_n_ctx(ctx_.get()))) shift();
       if (held_ && reads_queries_) {
         positions_.resize(static_cast<std::size_t>(n));
         for (std::int32_t j = 0; j < n; ++j) positions_[static_cast<std::size_t>(j)] = static_cast<llama_pos>(next_ + j);
@@ -197,7 +194,7 @@ class sequence {
 
   std::unique_ptr<held_sequence> held_;  // before ctx_: llama.cpp's callback points into it
   bool reads_queries_;
-  cache_mode mode_;
+  bool context_shift_;
   ggml_bridge::detail::context_ptr ctx_;
   std::int32_t batch_;
   std::int64_t next_ = 0;
@@ -313,14 +310,14 @@ std::unique_ptr<sequence> open_sequence(llama_model* model, const options& o, co
                                         std::int64_t budget, const triattn::query_stats* stats, std::int64_t length) {
   // Every bounded context has the same cells: the budget, the slack and one batch.
   const std::int64_t cells = budget + o.slack + o.batch;
-  if (policy == "full") return std::make_unique<sequence>(model, length + o.batch, o.batch, o.threads, nullptr, false, cache_mode::full);
+  if (policy == "full") return std::make_unique<sequence>(model, length + o.batch, o.batch, o.threads, nullptr, false, false);
   if (policy == "context_shift")
-    return std::make_unique<sequence>(model, cells, o.batch, o.threads, nullptr, false, cache_mode::context_shift);
+    return std::make_unique<sequence>(model, cells, o.batch, o.threads, nullptr, false, true);
   triattn_llama::options a;
   a.budget = budget;
   a.feed_queries = needs_queries(policy);
   auto held = std::make_unique<held_sequence>(model, 0, make_policy(policy, stats, triattn::schedule::with_slack(o.slack)), a);
-  return std::make_unique<sequence>(model, cells, o.batch, o.threads, std::move(held), a.feed_queries, cache_mode::held);
+  return std::make_unique<sequence>(model, cells, o.batch, o.threads, std::move(held), a.feed_queries, false);
 }
 
 int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, const triattn::query_stats* stats) {

@@ -139,7 +139,7 @@ TEST_CASE("llama.cpp generates 600 tokens through 256 cells, every policy above 
   const int steps = std::stoi(by_policy.at("random").at("steps"));
   for (const auto& [policy, x] : by_policy) {
     INFO(policy << ": KL " << x.at("kl") << ", random " << random_kl);
-    // Counted from the first round: the prompt and 192 - prompt tokens come before it.
+    // Counted from token 192 (budget + slack) on: the prompt and 192 - prompt answer tokens come before it.
     CHECK(std::stoi(x.at("steps")) > 400);
     CHECK(std::stoi(x.at("steps")) < 600);
     CHECK(std::stoi(x.at("steps")) == steps);  // every context counted from the same step
