@@ -110,6 +110,13 @@ function(_triattn_add_llama_cpp)
   # triattn's own settings are not llama.cpp's: ggml builds as upstream does (GNU extensions).
   unset(CMAKE_CXX_EXTENSIONS)
   add_subdirectory("${_triattn_llama_tree}" "${PROJECT_BINARY_DIR}/_deps/llama.cpp" EXCLUDE_FROM_ALL SYSTEM)
+  # Without ggml's AMX kernels, which -march=native compiles in on a CPU with AMX (Sapphire
+  # Rapids and later): they crash on SmolLM2's Q4_1 matrices (SIGSEGV in
+  # ggml_backend_amx_mul_mat on a 2-vCPU Xeon VM, 2026-12-06), so every x86 machine runs the
+  # AVX path, as one without AMX does. These flags come after -march=native, so they win.
+  if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    target_compile_options(ggml-cpu PRIVATE -mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+  endif()
 endfunction()
 _triattn_add_llama_cpp()
 
