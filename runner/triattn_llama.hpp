@@ -289,7 +289,10 @@ class held_sequence {
 
   /// After a successful `llama_decode` that carried this sequence's tokens: reads its cells
   /// and, when the policy's schedule says so, runs a round that frees the evicted cells in
-  /// llama.cpp. `prompt_length`: positions below it are the prompt. Returns whether a round ran.
+  /// llama.cpp. `prompt_length`: positions below it are the prompt, protected by the policies
+  /// that protect it while it is shorter than the budget; a longer prompt cannot stay whole in
+  /// the budget, so it is compressed as it arrives, as eval's chunked prefill does (the round
+  /// is told of no prompt), and the newest token stays. Returns whether a round ran.
   bool end_batch(std::int64_t prompt_length) {
     const char* api = "triattn_llama::held_sequence::end_batch";
     if (opts_.feed_queries)
@@ -302,7 +305,7 @@ class held_sequence {
     if (count_ == 0) return false;
     const auto t0 = std::chrono::steady_clock::now();
     const triattn::round_context rc{static_cast<std::int64_t>(positions_[static_cast<std::size_t>(count_ - 1)]) + 1,
-                                    prompt_length};
+                                    prompt_length < opts_.budget ? prompt_length : 0};
     if (!triattn::maybe_compress(policy_, view(), opts_.budget, rc)) return false;
     // llama.cpp's count and the slot map agree (one more pass over the sequence's cells).
     const std::int32_t held = llama_memory_seq_cells(tensors_->memory(), seq_, nullptr, nullptr, 0);

@@ -6,8 +6,10 @@
 /// The server keeps every slot's token history and continues each at its largest position +
 /// 1, so eviction needs no change to its positions: after each decode, `end_batch` runs a
 /// round for every slot that had tokens in the batch, and the freed cells take the slot's
-/// next tokens. What the server must do differently for a slot that evicted (no prefix reuse,
-/// no context shift, capacity counted in cells) is in the patch.
+/// next tokens. So a prompt longer than a slot's cells goes in batches that fit the slot's
+/// free cells (`cells_now`), a round after each. What the server must do differently for a
+/// slot that evicted (no prefix reuse, no context shift, capacity counted in cells) is in the
+/// patch.
 #pragma once
 
 #include <algorithm>
@@ -102,6 +104,13 @@ class server_cache {
   bool evicted(int slot) const { return slots_.at(static_cast<std::size_t>(slot))->stats().evicted > 0; }
   /// Cells `slot` holds (as of its last batch).
   std::int32_t cells(int slot) const { return slots_.at(static_cast<std::size_t>(slot))->cells(); }
+  /// Cells `slot` holds in llama.cpp now (one pass over the cache's cells): what a prompt batch
+  /// being filled for it must fit beside, after the server dropped the cells it does not reuse.
+  std::int32_t cells_now(int slot) const {
+    TRIATTN_CHECK(slot >= 0 && slot < std::ssize(slots_), "triattn_llama::server_cache", "slot ", slot, " of ",
+                  slots_.size());
+    return llama_memory_seq_cells(llama_get_memory(ctx_), slot, nullptr, nullptr, 0);
+  }
   const slot_report& report(int slot) const { return reports_.at(static_cast<std::size_t>(slot)); }
 
   /// One line for the server's log.

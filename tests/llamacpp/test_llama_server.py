@@ -6,7 +6,8 @@ TriAttention at budget 256 (slack 64; statistics from `triattn calibrate --model
 concurrent /v1/chat/completions requests of 1,500 tokens must complete with well-formed
 responses of that length, while every slot's cells (the server's own /slots report) stay
 within budget + slack + one token; a request with a bad parameter gets HTTP 400 and the
-server answers the next one. Bad flags stop start-up with a line naming them. Python's
+server answers the next one; a prompt more than twice a slot's cells is prefilled through it
+(today's server refuses it). Bad flags stop start-up with a line naming them. Python's
 standard library only.
 
 Usage: test_llama_server.py SERVER TRIATTN MODEL SOURCE_DIR SCRATCH
@@ -150,6 +151,24 @@ def serve(port):
     if status != 200 or body["usage"]["completion_tokens"] != 8:
         fail(f"the request after the bad one: HTTP {status} {body}")
     print("ok: the server answers the next request", flush=True)
+
+    # A prompt more than twice a slot's cells: llama-server refuses it (HTTP 400, "exceeds the
+    # available context size"); a held slot prefills it in batches that fit its free cells, a
+    # round after each, and answers.
+    before = {s["id"]: s["kv_cache"] for s in request(port, "/slots")[1]}
+    text = " ".join(prompts) + " "
+    status, body = request(port, "/completion", {"prompt": text * 40, "n_predict": 16, "ignore_eos": True,
+                                                 "temperature": 0}, timeout=1800)
+    if status != 200 or body["tokens_predicted"] != 16 or body["tokens_evaluated"] <= 2 * CELLS_PER_SLOT:
+        fail(f"a prompt past the slot's cells: HTTP {status} {str(body)[:500]}")
+    slot = body["id_slot"]
+    kv = next(s["kv_cache"] for s in request(port, "/slots")[1] if s["id"] == slot)
+    evicted = kv["evicted"] - before[slot]["evicted"]
+    if kv["peak_cells"] > CELLS_PER_SLOT or kv["rounds"] - before[slot]["rounds"] < 3 or \
+            evicted < body["tokens_evaluated"] + 16 - CELLS_PER_SLOT or kv["cells"] > BUDGET + SLACK + 1:
+        fail(f"a prompt of {body['tokens_evaluated']} tokens: slot {slot} {before[slot]} -> {kv}")
+    print(f"ok: a prompt of {body['tokens_evaluated']} tokens in {CELLS_PER_SLOT} cells: slot {slot} {kv}, "
+          f"{evicted} evicted", flush=True)
 
 
 if __name__ == "__main__":

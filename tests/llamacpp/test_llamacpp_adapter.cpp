@@ -10,6 +10,7 @@
 //   below random eviction's on the same prompt.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -388,4 +389,46 @@ TEST_CASE("the view refuses what llama.cpp's cells cannot hold; a refused round 
     CHECK(h.stats().seq_rm_calls == 1);
     CHECK(h.stats().evicted == 19);
   }
+}
+
+TEST_CASE("a policy that protects the prompt holds a prompt longer than its budget: the prompt is compressed as it arrives",
+          "[llamacpp]") {
+  const ggml_bridge::detail::model_ptr model = ggml_bridge::detail::load_model(gguf_path, false, "test");
+  // K-norm with TriAttention's default protection (the prompt) and what cells_policy adds (the
+  // newest token); budget 64, slack 16, batches of 32 tokens.
+  triattn::key_scored_config c;
+  c.round.grain = triattn::granularity::whole_sequence;
+  c.round.sched = triattn::schedule::with_slack(16);
+  c.round.protect_prompt = true;
+  c.round.recent = 1;
+  std::vector<llama_token> t(240);
+  for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<llama_token>(100 + (i * 37) % 900);
+  const auto run = [&](std::int64_t prompt_length) {
+    auto ctx = open_context(model.get(), 256, 1);
+    auto h = std::make_unique<held>(model.get(), 0, held_policy(triattn::knorm(c)), triattn_llama::options{64});
+    h->bind(ctx.get());
+    for (std::size_t i = 0; i < t.size(); i += 32) {
+      const auto n = static_cast<std::int32_t>(std::min<std::size_t>(32, t.size() - i));
+      REQUIRE(llama_decode(ctx.get(), llama_batch_get_one(t.data() + i, n)) == 0);
+      h->end_batch(prompt_length);
+      INFO("prompt " << prompt_length << ", after position " << i + n - 1);
+      REQUIRE(h->cells() <= 64 + 16 + 32);
+      REQUIRE(llama_memory_seq_pos_max(llama_get_memory(ctx.get()), 0) == static_cast<llama_pos>(i + n - 1));
+    }
+    CHECK(h->stats().rounds >= 1);
+    std::vector<std::int32_t> kept;
+    const triattn_llama::cells_view v = h->view();
+    for (std::int32_t s = 0; s < v.length(0, 0); ++s) kept.push_back(v.position(0, 0, s));
+    return kept;
+  };
+  // A 240-token prompt cannot stay whole in 64 cells: it competes like any token (without the
+  // rule, the protected prompt alone fills the budget and the round evicts the newest token).
+  const std::vector<std::int32_t> long_prompt = run(240);
+  CHECK(long_prompt.back() == 239);
+  CHECK(long_prompt.size() < 64 + 16 + 32);
+  // A 40-token prompt fits: every round keeps it whole.
+  const std::vector<std::int32_t> short_prompt = run(40);
+  REQUIRE(short_prompt.size() > 40);
+  for (std::int32_t p = 0; p < 40; ++p) CHECK(short_prompt[static_cast<std::size_t>(p)] == p);
+  CHECK(short_prompt.back() == 239);
 }
