@@ -3,7 +3,7 @@
 
     server_passkey.py --server S --model M.gguf --samples passkey_prompts.tsv --out DIR
         [--cells 512] [--budget 256] [--slack 64] [--stats S.safetensors]
-        [--policies context_shift,streaming_llm,triattention] [--answer-tokens 12] [--threads T]
+        [--policies streaming_llm,triattention] [--answer-tokens 12] [--threads T]
 
 Sends every sample of `triattn_eval retrieval`'s passkey_prompts.tsv (family, context, depth,
 trial, key, the prompt's token ids) to /completion as token ids, greedy, `--answer-tokens`
@@ -16,8 +16,8 @@ triattn_eval scores it. One server at a time, one slot each:
 - each `--policies` name: the patched server, `--kv-policy NAME --kv-budget --kv-slack` in
   `--cells` cells (prefilled in batches that fit the slot's free cells, a round after each).
 
-Writes DIR/server_passkey.csv (one row a sample and server: status, answer, correct, the
-slot's peak cells and rounds) and DIR/server_passkey.md (accuracy ± standard error per server).
+Writes DIR/server_passkey.csv (one row a sample and server: status, answer, correct, and the
+slot's peak cells and rounds since its server started) and DIR/server_passkey.md (accuracy ± standard error per server).
 Python's standard library only.
 """
 import argparse
@@ -39,8 +39,11 @@ def read_samples(path):
             if len(cols) != 6:
                 sys.exit(f"server_passkey.py: {path} line {n}: {len(cols)} tab-separated columns, expected 6")
             family, context, depth, trial, key, ids = cols
-            samples.append({"family": family, "context": int(context), "depth": depth, "trial": int(trial),
-                            "key": key, "ids": [int(t) for t in ids.split()]})
+            try:
+                samples.append({"family": family, "context": int(context), "depth": depth, "trial": int(trial),
+                                "key": key, "ids": [int(t) for t in ids.split()]})
+            except ValueError as e:
+                sys.exit(f"server_passkey.py: {path} line {n}: {e}")
     if not samples:
         sys.exit(f"server_passkey.py: {path}: no sample")
     return samples
