@@ -35,6 +35,7 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 using policy_type = triattn::basic_any_policy<triattn_llama::cells_view>;
 using held = triattn_llama::held_sequence<policy_type>;
+using capture = triattn_llama::query_capture<policy_type>;
 
 constexpr int prompt_tokens = 32;
 constexpr std::int64_t slack = 64;
@@ -94,14 +95,17 @@ struct run_result {
 run_result run(llama_model* model, const options& o, const std::string& policy, const triattn::policy_inputs& in,
                const std::vector<llama_token>& tokens) {
   std::unique_ptr<held> h;
-  const bool queries = !policy.empty() && triattn::find_policy<triattn_llama::cells_view>(policy)->needs.queries;
+  std::unique_ptr<capture> c;
   if (!policy.empty()) {
+    const auto& entry = *triattn::find_policy<triattn_llama::cells_view>(policy);
     triattn_llama::options ho;
     ho.budget = o.budget;
-    ho.feed_queries = queries;
-    h = std::make_unique<held>(model, 0,
-                               triattn_llama::cells_policy(*triattn::find_policy<triattn_llama::cells_view>(policy), in, slack),
-                               ho);
+    ho.feed = triattn_llama::reads_of(entry, in);
+    h = std::make_unique<held>(model, 0, triattn_llama::cells_policy(entry, in, slack), ho);
+    if (ho.feed != triattn_llama::reads::keys) {
+      c = std::make_unique<capture>(model);
+      c->route(0, h.get());
+    }
   }
   llama_context_params p = llama_context_default_params();
   p.n_ctx = static_cast<std::uint32_t>(prompt_tokens + o.tokens);
@@ -110,22 +114,18 @@ run_result run(llama_model* model, const options& o, const std::string& policy, 
   p.n_threads = p.n_threads_batch = o.threads;
   p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
   p.no_perf = true;
-  if (queries) {  // SnapKV and R-KV read Qcur: the callback, and its cost, are part of the figure
-    p.cb_eval = held::callback;
-    p.cb_eval_user_data = h.get();
+  if (c) {  // policies that read queries or attention: the callback, and its cost, are part of the figure
+    p.cb_eval = capture::callback;
+    p.cb_eval_user_data = c.get();
   }
   ggml_bridge::detail::context_ptr ctx(llama_init_from_model(model, p));
   TRIATTN_CHECK(ctx != nullptr, "run", "llama_init_from_model failed");
   if (h) h->bind(ctx.get());
-  std::vector<llama_pos> positions;
+  if (c) c->bind(ctx.get());
   const auto decode = [&](std::int64_t first, std::int32_t n) {
-    if (queries) {
-      positions.resize(static_cast<std::size_t>(n));
-      for (std::int32_t j = 0; j < n; ++j) positions[static_cast<std::size_t>(j)] = static_cast<llama_pos>(first + j);
-      h->begin_batch(positions);
-    }
-    TRIATTN_CHECK(llama_decode(ctx.get(), llama_batch_get_one(const_cast<llama_token*>(tokens.data() + first), n)) == 0,
-                  "run", "llama_decode failed at ", first);
+    const int rc = llama_decode(ctx.get(), llama_batch_get_one(const_cast<llama_token*>(tokens.data() + first), n));
+    if (c) c->check();
+    TRIATTN_CHECK(rc == 0, "run", "llama_decode failed at ", first);
     if (h) h->end_batch(prompt_tokens);
   };
   decode(0, prompt_tokens);
@@ -181,7 +181,9 @@ int main(int argc, char** argv) {
       const auto [tm, ts] = triattn_eval::mean_and_se(tps);
       const auto [rm, rs] = triattn_eval::mean_and_se(ratio);
       const run_result& last = results[c].back();
-      const bool queries = !configs[c].empty() && triattn::find_policy<triattn_llama::cells_view>(configs[c])->needs.queries;
+      const triattn_llama::reads feed =
+          configs[c].empty() ? triattn_llama::reads::keys
+                             : triattn_llama::reads_of(*triattn::find_policy<triattn_llama::cells_view>(configs[c]), in);
       if (configs[c].empty()) {
         std::printf("| full cache | %.1f ± %.1f | 1 | 0 | %lld (every token) | 0 | none |\n", tm, ts,
                     static_cast<long long>(prompt_tokens + o.tokens));
@@ -189,7 +191,8 @@ int main(int argc, char** argv) {
       }
       std::printf("| %s | %.1f ± %.1f | %.3f ± %.3f | %lld | %lld | %lld | %s |\n", configs[c].c_str(), tm, ts, rm, rs,
                   static_cast<long long>(last.rounds), static_cast<long long>(last.peak_cells),
-                  static_cast<long long>(last.slot_map_bytes), queries ? "Qcur" : "none");
+                  static_cast<long long>(last.slot_map_bytes),
+                  feed == triattn_llama::reads::keys ? "none" : feed == triattn_llama::reads::queries ? "Qcur" : "Qcur, attention");
     }
     return 0;
   } catch (const std::exception& e) {

@@ -16,10 +16,14 @@
 /// `llama_decode` that carried its tokens, `end_batch` reads its cells and runs a round when
 /// the policy's schedule says so. Sequences are independent (each its own policy, budget,
 /// schedule and keep sets), so a context with `n_seq_max > 1` holds one per sequence.
-/// Policies that read queries (SnapKV, R-KV) see them through the graph callback (`Qcur-<l>`,
-/// after RoPE): install `held_sequence::callback` as the context's `cb_eval` and bracket each
-/// `llama_decode` with `begin_batch`; that costs what a callback costs (ggml's scheduler
-/// stops at every tensor it asks for), key-only policies install none.
+/// Policies that read queries (SnapKV, R-KV, Expected Attention) or attention (H2O, VATP) see
+/// them through the graph callback: `query_capture` is the context's `cb_eval`, hands each
+/// layer's `Qcur-<l>` (after RoPE) to the sequence of each token (`llama_ubatch_tokens`, so a
+/// batch of several sequences in any ubatches), and a policy that reads attention gets
+/// softmax(q·k/√d) over its sequence's cells, computed from those queries and the cached keys
+/// once the batch's keys are stored (flash attention never forms the probabilities). That
+/// costs what a callback costs (ggml's scheduler stops at every tensor it asks for);
+/// key-only policies install none (`reads_of`).
 ///
 /// Limits. A cell holds one token for every layer and head, so the decision is one keep set
 /// per sequence (union granularity; the view declares `equal_lengths` and the round refuses
@@ -32,7 +36,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <exception>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -82,7 +89,7 @@ struct sequence_stats {
   std::int64_t evicted = 0;        ///< cells freed in llama.cpp
   std::int64_t seq_rm_calls = 0;   ///< runs of consecutive positions freed
   std::int64_t peak_cells = 0;     ///< the most cells the sequence held after a batch
-  double capture_seconds = 0.0;    ///< copying Qcur out of the graph (policies that read queries)
+  double capture_seconds = 0.0;    ///< reading queries: Qcur out of the graph, and attention rows from it
   double round_seconds = 0.0;      ///< rounds: the library's round, its seq_rm calls included
   double seq_rm_seconds = 0.0;     ///< the part of round_seconds spent in llama_memory_seq_rm
 };
@@ -217,10 +224,21 @@ class cache_tensors {
   std::int64_t k_row_bytes_ = 0, v_row_bytes_ = 0;
 };
 
+/// What a held sequence's policy observes besides its cache: nothing (no graph callback), each
+/// layer's queries, or the attention probabilities of those queries over its cells.
+enum class reads { keys, queries, attention };
+
+/// What the registry's `entry` observes when made with `in`: a policy that takes its queries
+/// from calibration statistics (`in.calibrated_queries`) reads the keys alone.
+inline reads reads_of(const triattn::basic_policy_entry<cells_view>& entry, const triattn::policy_inputs& in) {
+  if (entry.needs.attention) return reads::attention;
+  return entry.needs.queries && !in.calibrated_queries ? reads::queries : reads::keys;
+}
+
 /// The settings of one held sequence.
 struct options {
   std::int64_t budget = 512;  ///< cells a round keeps
-  bool feed_queries = false;  ///< pass Qcur to the policy's observe (SnapKV, R-KV): needs the callback
+  reads feed = reads::keys;   ///< what the policy observes: queries and attention need a `query_capture`
 };
 
 /// One sequence `seq` of a llama.cpp context held at `options.budget` cells by `Policy` (a
@@ -235,9 +253,8 @@ struct options {
 ///     llama_decode(ctx, batch);
 ///     s.end_batch(prompt_length);
 ///
-/// With `feed_queries`, also set `params.cb_eval = held_sequence::callback` and
-/// `params.cb_eval_user_data = &s` before creating the context, and call `begin_batch` before
-/// each `llama_decode`; the batch must then hold this sequence's tokens only.
+/// With `options.feed` other than `reads::keys`, a `query_capture` must be the context's
+/// `cb_eval` and route this sequence's queries here (`take_query`).
 template <class Policy>
 class held_sequence {
  public:
@@ -295,13 +312,16 @@ class held_sequence {
   /// is told of no prompt), and the newest token stays. Returns whether a round ran.
   bool end_batch(std::int64_t prompt_length) {
     const char* api = "triattn_llama::held_sequence::end_batch";
-    if (opts_.feed_queries)
-      for (std::size_t l = 0; l < done_q_.size(); ++l)
-        TRIATTN_CHECK(done_q_[l] == static_cast<std::int32_t>(batch_.size()), api, "layer ", l, " captured ", done_q_[l],
-                      " queries of a batch of ", batch_.size(), " (is this sequence the context's cb_eval?)");
-    batch_.clear();
+    if (opts_.feed != reads::keys) {
+      for (std::size_t l = 0; l < taken_.size(); ++l)
+        TRIATTN_CHECK(taken_[l] == taken_[0] && taken_[0] > 0, api, "sequence ", seq_, ": layer ", l, " captured ",
+                      taken_[l], " queries of the batch, layer 0 ", taken_[0],
+                      " (is a query_capture the context's cb_eval, routing this sequence?)");
+      std::fill(taken_.begin(), taken_.end(), 0);
+    }
     refresh();
     stats_.peak_cells = std::max<std::int64_t>(stats_.peak_cells, count_);
+    if (opts_.feed == reads::attention) observe_attention();
     if (count_ == 0) return false;
     const auto t0 = std::chrono::steady_clock::now();
     const triattn::round_context rc{static_cast<std::int64_t>(positions_[static_cast<std::size_t>(count_ - 1)]) + 1,
@@ -316,20 +336,138 @@ class held_sequence {
     return true;
   }
 
-  /// For `feed_queries`: the context's graph callback (`cb_eval`, with `cb_eval_user_data` =
-  /// this sequence). Asks for each layer's `Qcur` after RoPE and passes it to the policy.
-  static bool callback(ggml_tensor* t, bool ask, void* user) {
-    auto& s = *static_cast<held_sequence*>(user);
-    const int layer = s.query_layer(t);
-    if (ask) return layer >= 0;
-    if (layer >= 0) s.take_queries(t, layer);
-    return true;
+  /// From `query_capture`, during `llama_decode`: layer `layer`'s query (after RoPE) of this
+  /// sequence's token at `position`, [q_heads, head_dim]. A policy that reads queries observes
+  /// it now; one that reads attention at `end_batch`, when the batch's keys are in the cache.
+  void take_query(int layer, llama_pos position, std::span<const float> q) {
+    const char* api = "triattn_llama::held_sequence::take_query";
+    const triattn::kv_geometry& g = geo_;
+    const auto row = static_cast<std::size_t>(g.head_dim);
+    TRIATTN_CHECK(opts_.feed != reads::keys && layer >= 0 && layer < g.num_layers &&
+                      q.size() == static_cast<std::size_t>(g.num_q_heads) * row,
+                  api, "sequence ", seq_, " (reads ", opts_.feed == reads::keys ? "keys only" : "queries", "): layer ",
+                  layer, ", ", q.size(), " query elements, expected ", g.num_q_heads, " x ", g.head_dim);
+    if (taken_.empty()) taken_.assign(static_cast<std::size_t>(g.num_layers), 0);
+    ++taken_[static_cast<std::size_t>(layer)];
+    if (opts_.feed == reads::attention) {
+      pending_.push_back({layer, position});
+      pending_q_.insert(pending_q_.end(), q.begin(), q.end());
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int h = 0; h < g.num_q_heads; ++h) observe(layer, h, position, q.subspan(h * row, row), {});
+    charge_capture(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  /// For `feed_queries`: before `llama_decode`, the positions of the batch's tokens, in batch order.
-  void begin_batch(std::span<const llama_pos> positions) {
-    TRIATTN_CHECK(!positions.empty(), "triattn_llama::held_sequence::begin_batch", "an empty batch");
-    batch_.assign(positions.begin(), positions.end());
-    done_q_.assign(static_cast<std::size_t>(geo_.num_layers), 0);
+  /// Adds `seconds` to the time spent reading queries (`sequence_stats::capture_seconds`).
+  void charge_capture(double seconds) { stats_.capture_seconds += seconds; }
+
+ private:
+  // The queries of the batch, for a policy that reads attention: each one's row over the
+  // cells at positions up to its own (causal; the cells are in position order), softmax of
+  // q·k/√head_dim as the model's attention computes it, from the f16/bf16 keys in the cache.
+  void observe_attention() {
+    const auto t0 = std::chrono::steady_clock::now();
+    const triattn::kv_geometry& g = geo_;
+    const auto dim = static_cast<std::size_t>(g.head_dim);
+    const int group = g.num_q_heads / g.num_kv_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
+    const cells_view v = view();
+    keys_.resize(static_cast<std::size_t>(count_) * dim);
+    probs_.resize(static_cast<std::size_t>(count_));
+    for (int l = 0; l < g.num_layers; ++l) {
+      for (int kv = 0; kv < g.num_kv_heads; ++kv) {
+        bool loaded = false;
+        for (std::size_t i = 0; i < pending_.size(); ++i) {
+          if (pending_[i].layer != l) continue;
+          if (!loaded) {  // [count_, head_dim] this head's keys, once for every query of the layer
+            for (std::int32_t s = 0; s < count_; ++s) triattn::load_key(v, l, kv, s, keys_.data() + s * dim);
+            loaded = true;
+          }
+          const auto n = static_cast<std::size_t>(
+              std::upper_bound(positions_.begin(), positions_.begin() + count_, pending_[i].position) - positions_.begin());
+          for (int h = kv * group; h < (kv + 1) * group; ++h) {
+            const float* q = pending_q_.data() + (i * static_cast<std::size_t>(g.num_q_heads) + h) * dim;
+            float top = -std::numeric_limits<float>::infinity();
+            for (std::size_t s = 0; s < n; ++s) {
+              float dot = 0.0f;
+              for (std::size_t d = 0; d < dim; ++d) dot += q[d] * keys_[s * dim + d];
+              probs_[s] = dot * scale;
+              top = std::max(top, probs_[s]);
+            }
+            float sum = 0.0f;
+            for (std::size_t s = 0; s < n; ++s) sum += probs_[s] = std::exp(probs_[s] - top);
+            for (std::size_t s = 0; s < n; ++s) probs_[s] /= sum;
+            observe(l, h, pending_[i].position, {q, dim}, {probs_.data(), n});
+          }
+        }
+      }
+    }
+    pending_.clear();
+    pending_q_.clear();
+    charge_capture(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+
+  void observe(int layer, int q_head, llama_pos position, std::span<const float> q, std::span<const float> probs) {
+    if constexpr (requires { policy_.observe(0, 0, 0, std::span<const float>(), std::span<const float>()); })
+      policy_.observe(layer, q_head, position, q, probs);
+  }
+
+  struct pending_query {
+    int layer;
+    llama_pos position;
+  };
+
+  Policy policy_;
+  options opts_;
+  triattn::kv_geometry geo_;
+  llama_seq_id seq_;
+  std::optional<cache_tensors> tensors_;
+  std::vector<std::int32_t> cells_, positions_;  // [n_ctx] the slot map
+  std::int32_t count_ = 0;
+  std::vector<std::int32_t> taken_;              // [layers] queries of the batch taken
+  std::vector<pending_query> pending_;           // the batch's queries, for attention
+  std::vector<float> pending_q_;                 // [pending, q_heads, head_dim]
+  std::vector<float> keys_, probs_;              // [cells, head_dim], [cells] scratch
+  sequence_stats stats_;
+};
+
+/// The graph callback of a context whose held sequences read queries or attention: set
+/// `params.cb_eval = query_capture::callback` and `params.cb_eval_user_data = &capture` before
+/// creating the context, `bind` it to the context, and `route` each such sequence to its
+/// `held_sequence`. It asks ggml for each layer's `Qcur` after RoPE, [head_dim, q_heads,
+/// tokens] f32, and hands token i's column to the sequence llama.cpp decodes it for
+/// (`llama_ubatch_tokens`: llama_decode may reorder a batch of several sequences). Asks for
+/// nothing until bound, so a warm-up decode before the sequences exist costs no stop.
+template <class Policy>
+class query_capture {
+ public:
+  explicit query_capture(const llama_model* model) : geo_(geometry_of(model)) {}
+  query_capture(const query_capture&) = delete;  // llama.cpp's callback points into it
+  query_capture& operator=(const query_capture&) = delete;
+
+  void bind(llama_context* ctx) { ctx_ = ctx; }
+  /// Sequence `seq`'s queries go to `s` from now on (null: nowhere).
+  void route(llama_seq_id seq, held_sequence<Policy>* s) {
+    TRIATTN_CHECK(seq >= 0, "triattn_llama::query_capture::route", "sequence ", seq, " must be >= 0");
+    if (static_cast<std::size_t>(seq) >= to_.size()) to_.resize(static_cast<std::size_t>(seq) + 1, nullptr);
+    to_[static_cast<std::size_t>(seq)] = s;
+  }
+  /// Throws what went wrong inside the graph, if anything did (an exception must not cross
+  /// ggml's scheduler: the callback records it and stops the graph, so llama_decode fails).
+  void check() const { TRIATTN_CHECK(error_.empty(), "triattn_llama::query_capture", error_); }
+
+  static bool callback(ggml_tensor* t, bool ask, void* user) {
+    auto& c = *static_cast<query_capture*>(user);
+    const int layer = c.ctx_ != nullptr && c.error_.empty() ? c.query_layer(t) : -1;
+    if (ask) return layer >= 0;
+    if (layer < 0) return true;
+    try {
+      c.take(t, layer);
+      return true;
+    } catch (const std::exception& e) {
+      c.error_ = e.what();
+      return false;
+    }
   }
 
  private:
@@ -337,8 +475,8 @@ class held_sequence {
   int query_layer(const ggml_tensor* t) const {
     const triattn::kv_geometry& g = geo_;
     const std::string_view name(t->name);
-    if (!opts_.feed_queries || !name.starts_with("Qcur-") || t->op != GGML_OP_ROPE || t->type != GGML_TYPE_F32 ||
-        t->ne[0] != g.head_dim || t->ne[1] != g.num_q_heads)
+    if (!name.starts_with("Qcur-") || t->op != GGML_OP_ROPE || t->type != GGML_TYPE_F32 || t->ne[0] != g.head_dim ||
+        t->ne[1] != g.num_q_heads)
       return -1;
     int layer = 0;
     for (const char ch : name.substr(5)) {
@@ -348,40 +486,37 @@ class held_sequence {
     return name.size() > 5 && layer < g.num_layers ? layer : -1;
   }
 
-  // Passes the tokens of `t` to the policy's observe. A batch may come in several ubatches:
-  // each layer counts its own.
-  void take_queries(const ggml_tensor* t, int layer) {
-    const char* api = "triattn_llama::held_sequence::callback";
+  void take(const ggml_tensor* t, int layer) {
+    const char* api = "triattn_llama::query_capture";
     const auto t0 = std::chrono::steady_clock::now();
-    const auto tokens = static_cast<std::int32_t>(t->ne[2]);
-    const auto heads = static_cast<int>(t->ne[1]);
-    const int dim = geo_.head_dim;
-    std::int32_t& done = done_q_.at(static_cast<std::size_t>(layer));
-    TRIATTN_CHECK(ggml_is_contiguous(t) && done + tokens <= static_cast<std::int32_t>(batch_.size()), api, t->name, ": ",
-                  tokens, " tokens past the ", batch_.size(), " of the batch begun (call begin_batch)");
+    const std::int32_t n = llama_ubatch_tokens(ctx_, nullptr, nullptr, 0);
+    TRIATTN_CHECK(n == t->ne[2] && ggml_is_contiguous(t), api, t->name, " holds ", t->ne[2],
+                  " tokens, the ubatch being computed ", n);
+    seqs_.resize(static_cast<std::size_t>(n));
+    positions_.resize(static_cast<std::size_t>(n));
+    llama_ubatch_tokens(ctx_, seqs_.data(), positions_.data(), n);
     staging_.resize(static_cast<std::size_t>(ggml_nelements(t)));
     ggml_backend_tensor_get(t, staging_.data(), 0, ggml_nbytes(t));
-    if constexpr (requires { policy_.observe(0, 0, 0, std::span<const float>(), std::span<const float>()); })
-      for (std::int32_t i = 0; i < tokens; ++i)
-        for (int h = 0; h < heads; ++h)
-          policy_.observe(layer, h, batch_[static_cast<std::size_t>(done + i)],
-                          {staging_.data() + (static_cast<std::size_t>(i) * heads + h) * dim, static_cast<std::size_t>(dim)},
-                          {});
-    done += tokens;
-    stats_.capture_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto row = static_cast<std::size_t>(geo_.num_q_heads) * static_cast<std::size_t>(geo_.head_dim);
+    held_sequence<Policy>* last = nullptr;
+    for (std::int32_t i = 0; i < n; ++i) {
+      const auto s = static_cast<std::size_t>(seqs_[static_cast<std::size_t>(i)]);
+      held_sequence<Policy>* h = s < to_.size() ? to_[s] : nullptr;
+      if (h == nullptr) continue;
+      h->take_query(layer, positions_[static_cast<std::size_t>(i)], {staging_.data() + static_cast<std::size_t>(i) * row, row});
+      last = h;
+    }
+    // The copy out of the graph, charged to a sequence the tensor carried (all of it, with one).
+    if (last != nullptr) last->charge_capture(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
 
-  Policy policy_;
-  options opts_;
   triattn::kv_geometry geo_;
-  llama_seq_id seq_;
-  std::optional<cache_tensors> tensors_;
-  std::vector<std::int32_t> cells_, positions_;  // [n_ctx] the slot map
-  std::int32_t count_ = 0;
-  std::vector<llama_pos> batch_;                 // the positions of the batch being decoded
-  std::vector<std::int32_t> done_q_;             // [layers] queries of the batch captured
-  std::vector<float> staging_;
-  sequence_stats stats_;
+  llama_context* ctx_ = nullptr;
+  std::vector<held_sequence<Policy>*> to_;  // [sequences] where each sequence's queries go
+  std::vector<llama_seq_id> seqs_;          // [ubatch] each token's sequence
+  std::vector<llama_pos> positions_;        // [ubatch] and position
+  std::vector<float> staging_;              // [ubatch, q_heads, head_dim] Qcur
+  std::string error_;
 };
 
 /// The registry's policy `entry` made for llama.cpp's cells: one keep set per sequence (a

@@ -51,6 +51,7 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 using policy_type = triattn::basic_any_policy<triattn_llama::cells_view>;
 using held_sequence = triattn_llama::held_sequence<policy_type>;
+using capture = triattn_llama::query_capture<policy_type>;
 
 /// Random keep sets, one per sequence, that always hold the newest token (llama.cpp continues
 /// after it): the floor every policy must beat. The draw is our own (std::shuffle is
@@ -109,7 +110,11 @@ policy_type make_policy(std::string_view name, const triattn::query_stats* stats
   return policy_type(union_random(1, sched));  // not reached
 }
 
-bool needs_queries(std::string_view name) { return name == "snapkv"; }
+/// What the policy called `name` observes (the registry's entry; `random` reads nothing).
+triattn_llama::reads reads_of(std::string_view name) {
+  const auto* e = triattn::find_policy<triattn_llama::cells_view>(name);
+  return e != nullptr ? triattn_llama::reads_of(*e, {}) : triattn_llama::reads::keys;
+}
 
 /// One llama.cpp context decoding one sequence (seq 0): with a full cache, held at a budget
 /// (`held`), or shifting context when full (`context_shift`: what llama.cpp users have today,
@@ -121,7 +126,7 @@ class sequence {
  public:
   sequence(llama_model* model, std::int64_t n_ctx, std::int32_t batch, int threads, std::unique_ptr<held_sequence> held,
            bool reads_queries, bool context_shift)
-      : held_(std::move(held)), reads_queries_(reads_queries), context_shift_(context_shift), batch_(batch) {
+      : held_(std::move(held)), context_shift_(context_shift), batch_(batch) {
     llama_context_params p = llama_context_default_params();
     p.n_ctx = static_cast<std::uint32_t>(n_ctx);
     p.n_batch = p.n_ubatch = static_cast<std::uint32_t>(batch);
@@ -129,13 +134,16 @@ class sequence {
     p.n_threads = p.n_threads_batch = threads;
     p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     p.no_perf = true;
-    if (held_ && reads_queries_) {  // key-only policies install no callback
-      p.cb_eval = held_sequence::callback;
-      p.cb_eval_user_data = held_.get();
+    if (held_ && reads_queries) {  // key-only policies install no callback
+      capture_ = std::make_unique<capture>(model);
+      capture_->route(0, held_.get());
+      p.cb_eval = capture::callback;
+      p.cb_eval_user_data = capture_.get();
     }
     ctx_.reset(llama_init_from_model(model, p));
     TRIATTN_CHECK(ctx_ != nullptr, "triattn_llamacpp", "llama_init_from_model failed for n_ctx ", n_ctx);
     if (held_) held_->bind(ctx_.get());
+    if (capture_) capture_->bind(ctx_.get());
     keep_ = llama_vocab_get_add_bos(llama_model_get_vocab(model)) ? 1 : 0;
   }
 
@@ -145,16 +153,12 @@ class sequence {
     for (std::size_t i = 0; i < tokens.size(); i += static_cast<std::size_t>(batch_)) {
       const auto n = static_cast<std::int32_t>(std::min<std::size_t>(static_cast<std::size_t>(batch_), tokens.size() - i));
       if (context_shift_ && cells_ + n > static_cast<std::int64_t>(llama_n_ctx(ctx_.get()))) shift();
-      if (held_ && reads_queries_) {
-        positions_.resize(static_cast<std::size_t>(n));
-        for (std::int32_t j = 0; j < n; ++j) positions_[static_cast<std::size_t>(j)] = static_cast<llama_pos>(next_ + j);
-        held_->begin_batch(positions_);
-      }
       llama_batch b = llama_batch_get_one(const_cast<llama_token*>(tokens.data() + i), n);
       const double capture_before = held_ ? held_->stats().capture_seconds : 0.0;
       const auto t0 = clock_type::now();
       const int rc = llama_decode(ctx_.get(), b);
       const double wall = std::chrono::duration<double>(clock_type::now() - t0).count();
+      if (capture_) capture_->check();
       TRIATTN_CHECK(rc == 0, "triattn_llamacpp", "llama_decode returned ", rc, " at position ", next_, " (", n,
                     " tokens; the context has ", llama_n_ctx(ctx_.get()), " cells)");
       decode_seconds_ += wall - (held_ ? held_->stats().capture_seconds - capture_before : 0.0);
@@ -193,13 +197,12 @@ class sequence {
   }
 
   std::unique_ptr<held_sequence> held_;  // before ctx_: llama.cpp's callback points into it
-  bool reads_queries_;
+  std::unique_ptr<capture> capture_;     // the callback, for a policy that reads queries
   bool context_shift_;
   ggml_bridge::detail::context_ptr ctx_;
   std::int32_t batch_;
   std::int64_t next_ = 0;
   std::int64_t cells_ = 0, peak_cells_ = 0, shifts_ = 0, keep_ = 0;
-  std::vector<llama_pos> positions_;
   double decode_seconds_ = 0.0;
 };
 
@@ -315,9 +318,10 @@ std::unique_ptr<sequence> open_sequence(llama_model* model, const options& o, co
     return std::make_unique<sequence>(model, cells, o.batch, o.threads, nullptr, false, true);
   triattn_llama::options a;
   a.budget = budget;
-  a.feed_queries = needs_queries(policy);
+  a.feed = reads_of(policy);
   auto held = std::make_unique<held_sequence>(model, 0, make_policy(policy, stats, triattn::schedule::with_slack(o.slack)), a);
-  return std::make_unique<sequence>(model, cells, o.batch, o.threads, std::move(held), a.feed_queries, false);
+  return std::make_unique<sequence>(model, cells, o.batch, o.threads, std::move(held), a.feed != triattn_llama::reads::keys,
+                                    false);
 }
 
 int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, const triattn::query_stats* stats) {
@@ -359,7 +363,7 @@ int generate(llama_model* model, const ggml_bridge::vocab& v, const options& o, 
                 s.seq_rm_calls > 0 ? 1e6 * s.seq_rm_seconds / static_cast<double>(s.seq_rm_calls) : 0.0);
     std::printf("triattn: %.3f ms per round, %.3f ms per token copying queries out of the graph%s; %.3f ms per token in all\n",
                 s.rounds > 0 ? 1e3 * s.round_seconds / static_cast<double>(s.rounds) : 0.0,
-                1e3 * s.capture_seconds / tokens, needs_queries(o.policies.front()) ? "" : " (none: no callback)",
+                1e3 * s.capture_seconds / tokens, reads_of(o.policies.front()) != triattn_llama::reads::keys ? "" : " (none: no callback)",
                 1e3 * seq->triattn_seconds() / tokens);
   } else if (seq->rounds() > 0) {
     std::printf("context shifts: %lld, cells in use at most %lld (n_ctx %u)\n", static_cast<long long>(seq->rounds()),

@@ -70,7 +70,7 @@ def main():
     start_up_fails(server, model, ["--kv-policy", "streaming_llm", "--kv-budget", "0"], "--kv-budget 0", scratch)
     start_up_fails(server, model, ["--kv-policy", "triattention", "--kv-budget", "256", "--kv-stats", other],
                    "--kv-stats " + other, scratch)
-    start_up_fails(server, model, ["--kv-policy", "h2o", "--kv-budget", "256"], "attention probabilities", scratch)
+    start_up_fails(server, model, ["--kv-policy", "triattention", "--kv-budget", "256"], "needs --kv-stats", scratch)
     start_up_fails(server, model, ["--kv-policy", "streaming_llm", "--kv-budget", "500"], "do not fit", scratch)
 
     srv = llama_server.running_server(server, ["-m", model, "-c", str(2 * CELLS_PER_SLOT), "--parallel", "2", "-t", "1",

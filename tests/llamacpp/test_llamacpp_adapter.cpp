@@ -186,7 +186,7 @@ struct batch_deleter {
 ggml_bridge::detail::context_ptr open_context(llama_model* model, std::uint32_t n_ctx, std::uint32_t seqs,
                                               llama_flash_attn_type fa = LLAMA_FLASH_ATTN_TYPE_ENABLED,
                                               ggml_type cache_type = GGML_TYPE_F16, ggml_backend_sched_eval_callback cb = nullptr,
-                                              void* user = nullptr) {
+                                              void* user = nullptr, bool unified = false) {
   llama_context_params p = llama_context_default_params();
   p.n_ctx = n_ctx;
   p.n_batch = p.n_ubatch = 64;
@@ -199,25 +199,28 @@ ggml_bridge::detail::context_ptr open_context(llama_model* model, std::uint32_t 
   p.type_k = p.type_v = cache_type;
   p.cb_eval = cb;
   p.cb_eval_user_data = user;
+  p.kv_unified = unified;
   p.no_perf = true;
   ggml_bridge::detail::context_ptr ctx(llama_init_from_model(model, p));
   REQUIRE(ctx != nullptr);
   return ctx;
 }
 
-/// Every layer's keys after RoPE as the graph computes them (`Kcur-<l>`, f32), by position:
-/// the oracle of the view's in-place reads. One sequence, batches in order.
+/// Every layer's keys (`Kcur-<l>`) or queries (`Qcur-<l>`) after RoPE as the graph computes
+/// them (f32), by position: the oracle of the view's in-place reads and of what the policies
+/// observe. One sequence, batches in order.
 struct key_capture {
   int layers = 0, row = 0;
   llama_pos next = 0;
+  std::string_view prefix = "Kcur-";
   std::vector<std::vector<float>> keys;  // [layers][position * row]
   static bool callback(ggml_tensor* t, bool ask, void* user) {
     auto& c = *static_cast<key_capture*>(user);
     const std::string_view name(t->name);
-    const bool key = name.starts_with("Kcur-") && t->op == GGML_OP_ROPE && t->type == GGML_TYPE_F32;
+    const bool key = name.starts_with(c.prefix) && t->op == GGML_OP_ROPE && t->type == GGML_TYPE_F32;
     if (ask) return key;
     if (!key) return true;
-    const int l = std::stoi(std::string(name.substr(5)));
+    const int l = std::stoi(std::string(name.substr(c.prefix.size())));
     std::vector<float> x(static_cast<std::size_t>(ggml_nelements(t)));
     ggml_backend_tensor_get(t, x.data(), 0, ggml_nbytes(t));
     auto& out = c.keys.at(static_cast<std::size_t>(l));
@@ -328,6 +331,133 @@ TEST_CASE("two sequences held apart in one context, their keys read where llama.
   const triattn_llama::cells_view v1 = seqs[1]->view();
   CHECK(v1.length(0, 0) > 64 + 16 + 8);
   CHECK(seqs[1]->stats().evicted == 240 - v1.length(0, 0));
+}
+
+namespace {
+
+/// A policy that records what it observes and never evicts (its budget is never reached).
+struct observation {
+  int layer, head;
+  llama_pos position;
+  std::vector<float> q, probs;
+};
+struct recorder {
+  std::vector<observation> seen;
+  triattn::round_options opts{};
+  recorder() { opts.grain = triattn::granularity::whole_sequence; }
+  const triattn::round_options& round() const { return opts; }
+  void observe(int layer, int head, std::int32_t position, std::span<const float> q, std::span<const float> probs) {
+    seen.push_back({layer, head, position, {q.begin(), q.end()}, {probs.begin(), probs.end()}});
+  }
+  triattn::keep_plan plan(const triattn_llama::cells_view&, std::int64_t, const triattn::round_context&) {
+    FAIL("the recorder's budget is never reached");
+    return {};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("two sequences in mixed batches: each policy observes its own queries, and attention over its own cells",
+          "[llamacpp]") {
+  const ggml_bridge::detail::model_ptr model = ggml_bridge::detail::load_model(gguf_path, false, "test");
+  const ggml_bridge::vocab vocab(gguf_path);
+  const triattn::kv_geometry g = triattn_llama::geometry_of(model.get());
+  constexpr int tokens = 48, step = 8;
+  std::ifstream in(test_prompts);
+  std::vector<std::vector<llama_token>> streams;
+  for (std::string line; streams.size() < 2 && std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const std::vector<int> ids = vocab.tokenize(vocab.chat_prompt(line), true, true);
+    REQUIRE(ids.size() >= static_cast<std::size_t>(tokens));
+    streams.emplace_back(ids.begin(), ids.begin() + tokens);
+  }
+  REQUIRE(streams.size() == 2);
+
+  // The oracle: each stream alone, its queries captured from the graph by position.
+  std::vector<key_capture> oracle(2);
+  for (int q = 0; q < 2; ++q) {
+    key_capture& c = oracle[static_cast<std::size_t>(q)];
+    c.row = g.num_q_heads * g.head_dim;
+    c.prefix = "Qcur-";
+    c.keys.resize(static_cast<std::size_t>(g.num_layers));
+    auto solo = open_context(model.get(), 256, 1, LLAMA_FLASH_ATTN_TYPE_ENABLED, GGML_TYPE_F16, key_capture::callback, &c);
+    for (int i = 0; i < tokens; i += step) {
+      c.next = i;
+      REQUIRE(llama_decode(solo.get(), llama_batch_get_one(streams[static_cast<std::size_t>(q)].data() + i, step)) == 0);
+    }
+  }
+
+  // Sequence 0 reads attention, sequence 1 queries; batches of 8 tokens of each. A split cache
+  // decodes each sequence in a ubatch of its own (llama.cpp reorders the batch by sequence), a
+  // unified one both in one ubatch, interleaved as the batch is.
+  const bool unified = GENERATE(false, true);
+  INFO((unified ? "unified cache" : "a cache stream per sequence"));
+  using recorded = triattn_llama::held_sequence<recorder>;
+  std::vector<std::unique_ptr<recorded>> seqs;
+  seqs.push_back(std::make_unique<recorded>(model.get(), 0, recorder{}, triattn_llama::options{4096, triattn_llama::reads::attention}));
+  seqs.push_back(std::make_unique<recorded>(model.get(), 1, recorder{}, triattn_llama::options{4096, triattn_llama::reads::queries}));
+  triattn_llama::query_capture<recorder> capture(model.get());
+  for (int q = 0; q < 2; ++q) capture.route(q, seqs[static_cast<std::size_t>(q)].get());
+  auto ctx = open_context(model.get(), 512, 2, LLAMA_FLASH_ATTN_TYPE_ENABLED, GGML_TYPE_F16,
+                          triattn_llama::query_capture<recorder>::callback, &capture, unified);
+  capture.bind(ctx.get());
+  for (auto& s : seqs) s->bind(ctx.get());
+  std::unique_ptr<llama_batch, batch_deleter> batch(new llama_batch(llama_batch_init(2 * step, 0, 1)));
+  for (int i = 0; i < tokens; i += step) {
+    llama_batch& b = *batch;
+    b.n_tokens = 0;
+    for (int j = i; j < i + step; ++j)  // interleaved: token j of sequence 1, then of sequence 0
+      for (int q = 1; q >= 0; --q) {
+        const int k = b.n_tokens++;
+        b.token[k] = streams[static_cast<std::size_t>(q)][static_cast<std::size_t>(j)];
+        b.pos[k] = j;
+        b.n_seq_id[k] = 1;
+        b.seq_id[k][0] = q;
+        b.logits[k] = j + 1 == i + step;
+      }
+    REQUIRE(llama_decode(ctx.get(), b) == 0);
+    capture.check();
+    for (auto& s : seqs) s->end_batch(0);
+  }
+
+  for (int q = 0; q < 2; ++q) {
+    INFO("sequence " << q);
+    const std::vector<observation>& seen = seqs[static_cast<std::size_t>(q)]->policy().seen;
+    REQUIRE(seen.size() == static_cast<std::size_t>(g.num_layers) * g.num_q_heads * tokens);
+    std::vector<int> next(static_cast<std::size_t>(g.num_layers * g.num_q_heads), 0);  // per (layer, head), in order
+    const triattn_llama::cells_view v = seqs[static_cast<std::size_t>(q)]->view();
+    std::vector<float> key(static_cast<std::size_t>(g.head_dim));
+    for (const observation& o : seen) {
+      INFO("layer " << o.layer << " head " << o.head << " position " << o.position);
+      REQUIRE(o.position == next[static_cast<std::size_t>(o.layer * g.num_q_heads + o.head)]++);
+      // The query is the graph's for this sequence's token (layer 0: to f16 rounding of the
+      // cache it attends; deeper, to what another batch layout changes).
+      const float* want = oracle[static_cast<std::size_t>(q)].keys[static_cast<std::size_t>(o.layer)].data() +
+                          static_cast<std::size_t>(o.position) * oracle[0].row + static_cast<std::size_t>(o.head) * g.head_dim;
+      const double margin = o.layer == 0 ? 2e-3 : 0.1;
+      REQUIRE(o.q.size() == static_cast<std::size_t>(g.head_dim));
+      for (int d = 0; d < g.head_dim; ++d)
+        REQUIRE(o.q[static_cast<std::size_t>(d)] == Approx(want[d]).margin(margin).epsilon(margin / 2));
+      if (q == 1) {
+        REQUIRE(o.probs.empty());
+        continue;
+      }
+      // Attention: softmax(q·k/√d) over the cells at positions <= its own, in double, from the
+      // keys as the cache holds them.
+      REQUIRE(o.probs.size() == static_cast<std::size_t>(o.position) + 1);
+      std::vector<double> logit(o.probs.size());
+      double top = -1e300, sum = 0.0;
+      for (std::size_t s = 0; s < logit.size(); ++s) {
+        triattn::load_key(v, o.layer, o.head / (g.num_q_heads / g.num_kv_heads), static_cast<std::int64_t>(s), key.data());
+        double dot = 0.0;
+        for (int d = 0; d < g.head_dim; ++d) dot += double{o.q[static_cast<std::size_t>(d)]} * key[static_cast<std::size_t>(d)];
+        logit[s] = dot / std::sqrt(static_cast<double>(g.head_dim));
+        top = std::max(top, logit[s]);
+      }
+      for (double& x : logit) sum += x = std::exp(x - top);
+      for (std::size_t s = 0; s < logit.size(); ++s) REQUIRE(o.probs[s] == Approx(logit[s] / sum).margin(1e-5));
+    }
+  }
 }
 
 TEST_CASE("the view refuses what llama.cpp's cells cannot hold; a refused round frees nothing", "[llamacpp]") {
