@@ -89,6 +89,7 @@ std::vector<llama_token> token_stream(const llama_vocab* vocab, std::int64_t n) 
 struct run_result {
   double tokens_per_second = 0.0;
   std::int64_t rounds = 0, peak_cells = 0, slot_map_bytes = 0;
+  triattn_llama::reads feed = triattn_llama::reads::keys;  // what the policy observed (the callback's work)
 };
 
 // One configuration once: `policy` empty is the full cache.
@@ -96,9 +97,9 @@ run_result run(llama_model* model, const options& o, const std::string& policy, 
                const std::vector<llama_token>& tokens) {
   std::unique_ptr<held> h;
   std::unique_ptr<capture> c;
+  triattn_llama::options ho;
   if (!policy.empty()) {
     const auto& entry = *triattn::find_policy<triattn_llama::cells_view>(policy);
-    triattn_llama::options ho;
     ho.budget = o.budget;
     ho.feed = triattn_llama::reads_of(entry, in);
     h = std::make_unique<held>(model, 0, triattn_llama::cells_policy(entry, in, slack), ho);
@@ -134,6 +135,7 @@ run_result run(llama_model* model, const options& o, const std::string& policy, 
   const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
   run_result r;
   r.tokens_per_second = static_cast<double>(o.tokens) / s;
+  r.feed = ho.feed;
   if (h) {
     r.rounds = h->stats().rounds;
     r.peak_cells = h->stats().peak_cells;
@@ -181,9 +183,6 @@ int main(int argc, char** argv) {
       const auto [tm, ts] = triattn_eval::mean_and_se(tps);
       const auto [rm, rs] = triattn_eval::mean_and_se(ratio);
       const run_result& last = results[c].back();
-      const triattn_llama::reads feed =
-          configs[c].empty() ? triattn_llama::reads::keys
-                             : triattn_llama::reads_of(*triattn::find_policy<triattn_llama::cells_view>(configs[c]), in);
       if (configs[c].empty()) {
         std::printf("| full cache | %.1f ± %.1f | 1 | 0 | %lld (every token) | 0 | none |\n", tm, ts,
                     static_cast<long long>(prompt_tokens + o.tokens));
@@ -192,7 +191,9 @@ int main(int argc, char** argv) {
       std::printf("| %s | %.1f ± %.1f | %.3f ± %.3f | %lld | %lld | %lld | %s |\n", configs[c].c_str(), tm, ts, rm, rs,
                   static_cast<long long>(last.rounds), static_cast<long long>(last.peak_cells),
                   static_cast<long long>(last.slot_map_bytes),
-                  feed == triattn_llama::reads::keys ? "none" : feed == triattn_llama::reads::queries ? "Qcur" : "Qcur, attention");
+                  last.feed == triattn_llama::reads::keys      ? "none"
+                  : last.feed == triattn_llama::reads::queries ? "Qcur"
+                                                               : "Qcur, attention");
     }
     return 0;
   } catch (const std::exception& e) {

@@ -190,6 +190,11 @@ def shifts(prompt, generated, cells):
 
 
 def answer(port, pid, text, reference, policy, budget, a, cells):
+    def row(correct, extracted, generated, finished, rounds, peak):
+        return {"id": pid, "policy": policy, "budget": budget, "correct": int(correct), "answer": extracted,
+                "reference": reference, "generated_tokens": generated, "finished": int(finished), "rounds": rounds,
+                "peak_cells": peak}
+
     body = {"messages": [{"role": "user", "content": f"{text}\n{INSTRUCTION}"}], "temperature": 0.0, "top_k": 1,
             "max_tokens": a.max_tokens, "cache_prompt": False, "seed": 0}
     if policy == "context_shift":
@@ -197,8 +202,7 @@ def answer(port, pid, text, reference, policy, budget, a, cells):
     status, r = llama_server.request(port, "/v1/chat/completions", body, timeout=24 * 3600)
     if policy == "context_shift" and status == 400 and "exceeds the available context size" in str(r):
         # A prompt longer than the slot: llama-server refuses it, so the user gets no answer.
-        return {"id": pid, "policy": policy, "budget": budget, "correct": 0, "answer": "", "reference": reference,
-                "generated_tokens": 0, "finished": 0, "rounds": 0, "peak_cells": 0}, str(r)
+        return row(False, "", 0, False, 0, 0), str(r)
     if status != 200:
         raise llama_server.server_error(f"problem {pid}: HTTP {status}: {str(r)[:500]}")
     choice = r["choices"][0]
@@ -214,9 +218,7 @@ def answer(port, pid, text, reference, policy, budget, a, cells):
         rounds, peak = shifts(prompt, generated, cells)
     else:
         rounds, peak = 0, prompt + max(generated - 1, 0)
-    return {"id": pid, "policy": policy, "budget": budget, "correct": int(correct and finished), "answer": extracted,
-            "reference": reference, "generated_tokens": generated, "finished": int(finished), "rounds": rounds,
-            "peak_cells": peak}, reply
+    return row(correct and finished, extracted, generated, finished, rounds, peak), reply
 
 
 def reused_full(done, pid, budget, a):
