@@ -37,9 +37,11 @@ head -n "${GSM8K_N:-150}" "$work/data/gsm8k_test.jsonl" > "$work/gsm8k.jsonl"
 head -n "${MATH_N:-100}" "$work/data/math500.jsonl" > "$work/math500.jsonl"
 
 stats=$work/qwen-coder-dev.safetensors
-if [[ ! -f $stats ]]; then
-  echo "== TriAttention's statistics: the model's answers to development problems"
-  python3 - "$work/data" "${DEV_N:-8}" > "$work/dev_prompts.txt" <<'EOF'
+# Calibrated once, on first use: only a TriAttention cell reads the statistics.
+calibrate() {
+  if [[ ! -f $stats ]]; then
+    echo "== TriAttention's statistics: the model's answers to development problems"
+    python3 - "$work/data" "${DEV_N:-8}" > "$work/dev_prompts.txt" <<'EOF'
 import json, sys
 folder, n = sys.argv[1], int(sys.argv[2])
 for name in ("gsm8k_dev", "math_dev"):
@@ -48,10 +50,11 @@ for name in ("gsm8k_dev", "math_dev"):
             text = json.loads(line)["problem"] + "\nPlease reason step by step, and put your final answer within \\boxed{}."
             print(" ".join(text.split()))  # one prompt a line
 EOF
-  "$build/bin/triattn" calibrate --model "$model" --prompts "$work/dev_prompts.txt" --answer-tokens 384 \
-    --out "$stats.part"
-  mv "$stats.part" "$stats"
-fi
+    "$build/bin/triattn" calibrate --model "$model" --prompts "$work/dev_prompts.txt" --answer-tokens 384 \
+      --out "$stats.part"
+    mv "$stats.part" "$stats"
+  fi
+}
 
 max_tokens() { [[ $1 == gsm8k ]] && echo 400 || echo 1024; }
 
@@ -79,7 +82,8 @@ cell() {  # cell SET POLICY
   if [[ $policy == full ]]; then
     args=(--policies full)
   else
-    args=(--policies "$policy" --budgets "$(budget "$set")" --slack "$slack" --stats "$stats" --reuse-full)
+    args=(--policies "$policy" --budgets "$(budget "$set")" --slack "$slack" --reuse-full)
+    if [[ $policy == triattention ]]; then calibrate; args+=(--stats "$stats"); fi
   fi
   echo "== $set: $policy"
   python3 "$root/eval/tasks.py" --server "$build/bin/llama-server" --model "$model" --problems "$work/$set.jsonl" \
@@ -95,4 +99,7 @@ fi
 for c in "${cells[@]}"; do cell "${c%%:*}" "${c#*:}"; done
 python3 "$root/eval/tasks_report.py" "$results/gsm8k.csv:GSM8K" "$results/math500.csv:MATH-500" --out "$results" \
   > /dev/null 2>&1 || true
+if command -v gnuplot > /dev/null 2>&1; then  # the plot of docs/quality.md (Debian: gnuplot-nox)
+  gnuplot -e "dat='$results/accuracy.dat'; out='$results/accuracy.png'" "$root/eval/plot_tasks.gp"
+fi
 echo "== done: $results"
