@@ -1,6 +1,6 @@
 # Task accuracy against the KV budget, one panel per data set, one line per policy with ± SE bars;
 # the full cache is the dashed line (its band: ± SE).
-#   gnuplot -e "dat='eval/results/tasks/accuracy.dat'; out='docs/tasks.png'" eval/plot_tasks.gp
+#   gnuplot -e "dat='eval/results/tasks/accuracy.dat'; out='eval/results/tasks/accuracy.png'" eval/plot_tasks.gp
 # accuracy.dat (eval/tasks_report.py): dataset policy budget accuracy se, fractions; full has budget 0.
 if (!exists("dat")) dat = 'accuracy.dat'
 if (!exists("out")) out = 'tasks.png'
