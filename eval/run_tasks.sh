@@ -62,7 +62,7 @@ max_tokens() { [[ $1 == gsm8k ]] && echo 400 || echo 1024; }
 budget() {
   local set=$1 file=$results/$1.budget
   if [[ ! -f $file ]]; then
-    python3 - "$results/$set.csv" "$work/$set.jsonl" > "$file.part" <<'EOF'
+    if python3 - "$results/$set.csv" "$work/$set.jsonl" > "$file.part" <<'EOF'
 import csv, json, sys
 ids = [json.loads(l)["id"] for l in open(sys.argv[2])]
 full = {r["id"]: int(r["peak_cells"]) + 1 for r in csv.DictReader(open(sys.argv[1])) if r["policy"] == "full"}
@@ -72,7 +72,8 @@ if missing:
 cells = sorted(full[i] for i in ids)
 print(max(16, round(cells[len(cells) // 2] / 3 / 16) * 16))
 EOF
-    mv "$file.part" "$file"
+    # `if`, not errexit: a command substitution $(budget ...) runs without it.
+    then mv "$file.part" "$file"; else rm -f "$file.part"; return 1; fi
   fi
   cat "$file"
 }
@@ -82,7 +83,9 @@ cell() {  # cell SET POLICY
   if [[ $policy == full ]]; then
     args=(--policies full)
   else
-    args=(--policies "$policy" --budgets "$(budget "$set")" --slack "$slack" --reuse-full)
+    local b
+    b=$(budget "$set")
+    args=(--policies "$policy" --budgets "$b" --slack "$slack" --reuse-full)
     if [[ $policy == triattention ]]; then calibrate; args+=(--stats "$stats"); fi
   fi
   echo "== $set: $policy"
@@ -97,9 +100,16 @@ if ((${#cells[@]} == 0)); then
   for p in full triattention streaming_llm snapkv rkv; do cells+=("math500:$p"); done
 fi
 for c in "${cells[@]}"; do cell "${c%%:*}" "${c#*:}"; done
-python3 "$root/eval/tasks_report.py" "$results/gsm8k.csv:GSM8K" "$results/math500.csv:MATH-500" --out "$results" \
-  > /dev/null 2>&1 || true
-if command -v gnuplot > /dev/null 2>&1; then  # the plot of docs/quality.md (Debian: gnuplot-nox)
-  gnuplot -e "dat='$results/accuracy.dat'; out='$results/accuracy.png'" "$root/eval/plot_tasks.gp"
+# The tables and the plot, of the sets whose full cell is complete (their headline budget is fixed).
+report=()
+for pair in gsm8k:GSM8K math500:MATH-500; do
+  set=${pair%%:*}
+  [[ -f $results/$set.csv ]] && b=$(budget "$set" 2> /dev/null) && report+=("$results/$set.csv:${pair#*:}:$b")
+done
+if ((${#report[@]} > 0)); then
+  python3 "$root/eval/tasks_report.py" "${report[@]}" --out "$results" > /dev/null
+  if command -v gnuplot > /dev/null 2>&1; then  # the plot of docs/quality.md (Debian: gnuplot-nox)
+    gnuplot -e "dat='$results/accuracy.dat'; out='$results/accuracy.png'" "$root/eval/plot_tasks.gp"
+  fi
 fi
 echo "== done: $results"
