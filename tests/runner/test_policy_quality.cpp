@@ -3,12 +3,15 @@
 // sinks of their own, and without them evict the attention sinks first): teacher-forced over
 // validation windows, the mean KL(full || compressed) of the next-token distributions after
 // the first compression must be lower than random eviction's at the same budget. Random
-// eviction is the evaluation's (eval/random_eviction.hpp), not the library's, unprotected.
+// eviction is the evaluation's (eval/random_eviction.hpp), not the library's, unprotected; its
+// KL is the mean of `random_draws` draws on the same windows, because one draw's KL alone
+// ranged 0.050-0.094 over 16 seeds, and its low end fell below KeyDiff's and Expected
+// Attention's. Over 26 seeds with 8 draws the mean ranged 0.068-0.093 and the closest policy,
+// Expected Attention, scored at most 0.91x of it.
 //
 // Except K-norm, which does no better than random here (keys with small norms are not what this
-// model attends to): over 31 seeds its KL was 0.86x-1.51x random's, with 4 windows and one
-// random draw each. It must stay within 2x random's, far from what it scores when it evicts the
-// sinks (0.45, about 6x).
+// model attends to): over 26 seeds its KL was 0.79x-1.39x random's mean of 8 draws. It must
+// stay within 2x random's, far from what it scores when it evicts the sinks (0.45, about 6x).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -32,6 +35,7 @@ namespace {
 
 constexpr std::int64_t budget = 64, slack = 16;
 constexpr int num_windows = 4;
+constexpr int random_draws = 8;
 constexpr triattn::schedule sched = triattn::schedule::with_slack(slack);  // every policy's trigger
 
 struct fixture {
@@ -92,8 +96,11 @@ struct fixture {
 
 TEST_CASE("every policy beats random eviction at budget 64 on the real model") {
   fixture f;
-  triattn_eval::random_eviction random(triattn_test::test_seed(), sched);
-  const double random_kl = f.mean_kl(random);
+  double random_kl = 0.0;
+  for (int d = 0; d < random_draws; ++d) {
+    triattn_eval::random_eviction random(triattn_test::test_seed() + static_cast<std::uint64_t>(d), sched);
+    random_kl += f.mean_kl(random) / random_draws;
+  }
   INFO("random eviction: mean KL " << random_kl);
   std::printf("%-16s mean KL %.5f\n", "random", random_kl);
   triattn::policy_inputs inputs;
