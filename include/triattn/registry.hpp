@@ -298,9 +298,11 @@ inline constexpr std::array policy_registry_for{
         "the keys least like the average key direction (Park et al. 2025); reads the keys alone"),
     detail::entry<View, expected_attention,
                   [](const policy_inputs& in) {
-                    return in.calibrated_queries ? expected_attention(*in.stats) : expected_attention{};
+                    // decode(): a round every `slack` tokens looks 16 positions ahead, not 512.
+                    const auto c = expected_attention_config::decode();
+                    return in.calibrated_queries ? expected_attention(*in.stats, c) : expected_attention(c);
                   }>("expected softmax of Gaussian future queries (mean, covariance of the last 128) x value L2 norm, "
-                     "4 sinks (Devoto et al. 2025)",
+                     "4 sinks (Devoto et al. 2025; decode-time variant)",
                      {.values = true, .queries = true}),
 };
 

@@ -221,7 +221,8 @@ TEST_CASE("the registry's expected_attention reads values and queries, or calibr
   // Calibrated through the registry: the keep sets of the class built from the same stats.
   auto any = *e->create(in);
   const triattn::keep_plan got = any.plan(c.dense_view(), 4);
-  const triattn::keep_plan want = triattn::expected_attention(stats).plan(c.dense_view(), 4);
+  const triattn::keep_plan want = triattn::expected_attention(stats, triattn::expected_attention_config::decode())
+                                         .plan(c.dense_view(), 4);
   CHECK(got.indices == want.indices);
   CHECK(got.offsets == want.offsets);
 }

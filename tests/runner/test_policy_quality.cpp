@@ -5,9 +5,9 @@
 // the first compression must be lower than random eviction's at the same budget. Random
 // eviction is the evaluation's (eval/random_eviction.hpp), not the library's, unprotected; its
 // KL is the mean of `random_draws` draws on the same windows, because one draw's KL alone
-// ranged 0.050-0.094 over 16 seeds, and its low end fell below KeyDiff's and Expected
-// Attention's. Over 26 seeds with 8 draws the mean ranged 0.068-0.093 and the closest policy,
-// Expected Attention, scored at most 0.91x of it.
+// ranged 0.050-0.094 over 16 seeds, and its low end fell below KeyDiff's. Over 26 seeds with 8
+// draws the mean ranged 0.068-0.093 and the closest policy, KeyDiff, scored at most 0.79x of it
+// (Expected Attention's decode-time variant, the registry's, at most 0.51x).
 //
 // Except K-norm, which does no better than random here (keys with small norms are not what this
 // model attends to): over 26 seeds its KL was 0.79x-1.39x random's mean of 8 draws. It must
