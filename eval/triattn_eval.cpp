@@ -536,9 +536,9 @@ void evaluator::write(const fs::path& dir, int threads) const {
 int run_tokenize(int argc, char** argv) {
   const auto o = subcommand_options(argc, argv, {"--model", "--tokenizer", "--text", "--out"});
   const fs::path out = required(o, "--out", "tokenize"), text_path = required(o, "--text", "tokenize");
-  const triattn_runner::text_model m = triattn_runner::text_model::load(required(o, "--model", "tokenize"),
-                                                          o.contains("--tokenizer") ? o.at("--tokenizer") : "",
-                                                          "triattn_eval tokenize");
+  const triattn_runner::text_model m =
+      triattn_runner::text_model::load_tokenizer(required(o, "--model", "tokenize"),
+                                                 o.contains("--tokenizer") ? o.at("--tokenizer") : "", "triattn_eval tokenize");
   const std::vector<int> ids = m.encode(triattn_runner::read_file(text_path, "triattn_eval tokenize"));
   const std::vector<std::int32_t> data(ids.begin(), ids.end());
   const std::array<std::int64_t, 1> shape{static_cast<std::int64_t>(data.size())};

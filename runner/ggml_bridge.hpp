@@ -13,7 +13,10 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <charconv>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -27,6 +30,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -72,6 +76,55 @@ inline void init_backend() {
   });
 }
 
+namespace detail {
+
+/// While alive, the error lines that ggml and llama.cpp log go into `reason()` instead of to
+/// the logger installed before (which is back when this ends): a program refuses a file with
+/// one line of its own that carries ggml's reason, not ggml's lines and then its own.
+class captured_errors {
+ public:
+  captured_errors() {
+    llama_log_get(&previous_, &previous_data_);  // ggml's, which llama.cpp shares
+    llama_log_set(collect, this);
+  }
+  captured_errors(const captured_errors&) = delete;
+  captured_errors& operator=(const captured_errors&) = delete;
+  ~captured_errors() { llama_log_set(previous_, previous_data_); }
+
+  /// The captured error lines as one, "; " between them, each without its "function: "
+  /// prefix; "no reason given" when there was none.
+  [[nodiscard]] std::string reason() const {
+    std::string out;
+    std::size_t begin = 0;
+    while (begin < text_.size()) {
+      std::size_t end = text_.find('\n', begin);
+      if (end == std::string::npos) end = text_.size();
+      std::string_view line(text_.data() + begin, end - begin);
+      if (const std::size_t colon = line.find(": ");
+          colon != std::string_view::npos &&
+          line.substr(0, colon).find_first_not_of("abcdefghijklmnopqrstuvwxyz_0123456789") == std::string_view::npos)
+        line.remove_prefix(colon + 2);
+      if (!line.empty()) out.append(out.empty() ? "" : "; ").append(line);
+      begin = end + 1;
+    }
+    return out.empty() ? "no reason given" : out;
+  }
+
+ private:
+  static void collect(ggml_log_level level, const char* text, void* self) {
+    auto* me = static_cast<captured_errors*>(self);
+    if (level != GGML_LOG_LEVEL_CONT) me->last_was_error_ = level == GGML_LOG_LEVEL_ERROR;
+    if (me->last_was_error_ && text != nullptr) me->text_ += text;
+  }
+
+  ggml_log_callback previous_ = nullptr;
+  void* previous_data_ = nullptr;
+  std::string text_;
+  bool last_was_error_ = false;
+};
+
+}  // namespace detail
+
 /// Where a tensor sits in a GGUF file and what it holds.
 struct tensor_desc {
   ggml_type type = GGML_TYPE_F32;
@@ -89,17 +142,27 @@ struct tensor_desc {
 /// A GGUF file opened for its metadata and tensor directory (no tensor data is loaded).
 class gguf_file {
  public:
-  /// Opens `path` with `gguf_init_from_file` (no_alloc). Throws if it is not a readable GGUF.
+  /// Opens `path` with `gguf_init_from_file` (no_alloc). Throws naming the file if it is
+  /// missing, does not start with the GGUF magic, or is not a valid GGUF (with ggml's reason).
+  /// Installs no logger and initialises no backend, so a program with its own (llama-server)
+  /// can check a file before llama.cpp loads it.
   explicit gguf_file(std::filesystem::path path) : path_(std::move(path)) {
-    init_backend();
+    constexpr const char* api = "ggml_bridge::gguf_file";
+    std::error_code ec;
+    TRIATTN_CHECK(std::filesystem::is_regular_file(path_, ec), api, path_, ": no such file");
+    std::ifstream in(path_, std::ios::binary);
+    std::array<char, 4> magic{};
+    in.read(magic.data(), magic.size());
+    TRIATTN_CHECK(in.gcount() == 4 && std::string_view(magic.data(), 4) == "GGUF", api, path_,
+                  ": not a GGUF file (it does not start with the magic \"GGUF\")");
     ggml_context* meta = nullptr;
     gguf_init_params params{};
     params.no_alloc = true;
     params.ctx = &meta;
+    const detail::captured_errors errors;
     gguf_ = gguf_init_from_file(path_.string().c_str(), params);
     meta_.reset(meta);
-    TRIATTN_CHECK(gguf_ != nullptr, "ggml_bridge::gguf_file", path_,
-                  ": gguf_init_from_file failed (missing file or not a GGUF file)");
+    TRIATTN_CHECK(gguf_ != nullptr, api, path_, ": not a valid GGUF file: ", errors.reason());
   }
   gguf_file(const gguf_file&) = delete;
   gguf_file& operator=(const gguf_file&) = delete;
@@ -183,6 +246,19 @@ class gguf_file {
     out.reserve(n);
     for (std::size_t i = 0; i < n; ++i) out.emplace_back(gguf_get_arr_str(gguf_, id, i));
     return out;
+  }
+
+  /// The type of `key`'s value (GGUF_TYPE_ARRAY for an array). Throws if the key is missing.
+  [[nodiscard]] gguf_type type_of(const std::string& key) const {
+    return gguf_get_kv_type(gguf_, find_key(key, "ggml_bridge::gguf_file::type_of"));
+  }
+
+  /// The number of elements of array `key`. Throws if the key is missing or not an array.
+  [[nodiscard]] std::size_t array_size(const std::string& key) const {
+    constexpr const char* api = "ggml_bridge::gguf_file::array_size";
+    const auto id = find_key(key, api);
+    check_type(key, id, GGUF_TYPE_ARRAY, api);
+    return gguf_get_arr_n(gguf_, id);
   }
 
   /// Whether the file has a tensor called `name`.
@@ -280,6 +356,106 @@ class gguf_file {
   std::unique_ptr<ggml_context, ggml_context_deleter> meta_;
 };
 
+/// Checks a model file against itself before any loader trusts it: llama.cpp's loader aborts
+/// on some of these (block_count 0 or 2^31, a NaN norm epsilon, a tokenizer with a repeated
+/// token) and accepts others that make it compute with the wrong sizes (a tokenizer shorter
+/// than the embedding's rows, a block_count short of the tensors). Checked: the architecture is
+/// named; `<arch>.block_count` is in [1, 4096] and the tensors hold exactly blocks 0 to
+/// block_count - 1; the sizes that are scalars are bounded, the heads a multiple of the KV
+/// heads, the norm epsilons in (0, 1) and the RoPE base finite and positive; the tokenizer's
+/// arrays are as long as each other, as `<arch>.vocab_size` and as the rows of
+/// token_embd.weight and output.weight, and its tokens distinct; each chat template is at most
+/// 1 MiB. Keys a model lacks are left to its loader: this holds for any architecture. Throws
+/// `triattn::error` naming the file and the key or tensor.
+inline void check_model_file(const gguf_file& f) {
+  constexpr const char* api = "ggml_bridge::check_model_file";
+  const auto& path = f.path();
+  TRIATTN_CHECK(f.has("general.architecture"), api, path, ": no general.architecture: not a model file");
+  const std::string arch = f.get_string("general.architecture");
+  const auto key = [&](const char* k) { return arch + "." + k; };
+  // A scalar integer key within [lo, hi], or nothing when absent or per layer (an array).
+  const auto size_key = [&](const char* k, std::int64_t lo, std::int64_t hi) -> std::optional<std::int64_t> {
+    const std::string name = key(k);
+    if (!f.has(name) || f.type_of(name) == GGUF_TYPE_ARRAY) return std::nullopt;
+    const std::int64_t v = f.get_int(name);
+    TRIATTN_CHECK(v >= lo && v <= hi, api, path, ": ", name, " = ", v, " is outside [", lo, ", ", hi, "]");
+    return v;
+  };
+  const auto positive_float = [&](const std::string& name, double below) {
+    if (!f.has(name) || f.type_of(name) == GGUF_TYPE_ARRAY) return;
+    const double v = f.get_float(name);
+    TRIATTN_CHECK(std::isfinite(v) && v > 0.0 && v < below, api, path, ": ", name, " = ", v, " is not in (0, ", below,
+                  ")");
+  };
+
+  constexpr std::int64_t max_blocks = 4096;
+  TRIATTN_CHECK(f.has(key("block_count")), api, path, ": no ", key("block_count"));
+  const std::int64_t blocks = *size_key("block_count", 1, max_blocks);
+  std::int64_t last_block = -1;
+  for (const std::string& name : f.tensor_names()) {
+    if (!name.starts_with("blk.")) continue;
+    std::int64_t b = -1;
+    const char* first = name.data() + 4;
+    const auto [end, ec] = std::from_chars(first, name.data() + name.size(), b);
+    TRIATTN_CHECK(ec == std::errc() && end != first && *end == '.' && b >= 0 && b < max_blocks, api, path, ": tensor ",
+                  name, " has no block number");
+    last_block = std::max(last_block, b);
+  }
+  TRIATTN_CHECK(last_block + 1 == blocks, api, path, ": ", key("block_count"), " = ", blocks,
+                " but the tensors hold blocks 0 to ", last_block);
+
+  const auto width = size_key("embedding_length", 1, 1 << 20);
+  size_key("feed_forward_length", 0, 1 << 24);
+  size_key("context_length", 1, std::numeric_limits<std::int32_t>::max());
+  const auto heads = size_key("attention.head_count", 0, 1 << 16);
+  const auto kv_heads = size_key("attention.head_count_kv", 0, 1 << 16);
+  if (heads && kv_heads && *kv_heads > 0)
+    TRIATTN_CHECK(*heads > 0 && *heads % *kv_heads == 0, api, path, ": ", key("attention.head_count"), " = ", *heads,
+                  " is not a positive multiple of ", key("attention.head_count_kv"), " = ", *kv_heads);
+  if (heads && *heads > 0 && width && !f.has(key("attention.key_length")))
+    TRIATTN_CHECK(*width % *heads == 0, api, path, ": ", key("embedding_length"), " = ", *width,
+                  " is not a multiple of ", key("attention.head_count"), " = ", *heads);
+  positive_float(key("attention.layer_norm_rms_epsilon"), 1.0);
+  positive_float(key("attention.layer_norm_epsilon"), 1.0);
+  positive_float(key("rope.freq_base"), std::numeric_limits<double>::infinity());
+
+  std::optional<std::size_t> n_tokens;
+  if (f.has("tokenizer.ggml.tokens")) {
+    const std::vector<std::string> tokens = f.get_string_array("tokenizer.ggml.tokens");
+    n_tokens = tokens.size();
+    TRIATTN_CHECK(!tokens.empty(), api, path, ": tokenizer.ggml.tokens is empty");
+    for (const char* k : {"tokenizer.ggml.scores", "tokenizer.ggml.token_type"})
+      TRIATTN_CHECK(!f.has(k) || f.array_size(k) == tokens.size(), api, path, ": ", k, " has ", f.array_size(k),
+                    " entries, tokenizer.ggml.tokens ", tokens.size());
+    if (const auto v = size_key("vocab_size", 0, std::numeric_limits<std::int64_t>::max()))
+      TRIATTN_CHECK(static_cast<std::size_t>(*v) == tokens.size(), api, path, ": ", key("vocab_size"), " = ", *v,
+                    " but tokenizer.ggml.tokens has ", tokens.size(), " entries");
+    std::unordered_map<std::string_view, std::size_t> first_at;
+    first_at.reserve(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const auto [at, fresh] = first_at.emplace(tokens[i], i);
+      TRIATTN_CHECK(fresh, api, path, ": tokenizer.ggml.tokens holds the same text at ids ", at->second, " and ", i);
+    }
+  }
+  for (const char* name : {"token_embd.weight", "output.weight"}) {
+    if (!f.has_tensor(name)) continue;
+    const tensor_desc t = f.tensor_info(name);
+    TRIATTN_CHECK(t.ne.size() == 2, api, path, ": tensor ", name, " has ", t.ne.size(), " dimensions, not 2");
+    TRIATTN_CHECK(!width || t.ne[0] == *width, api, path, ": tensor ", name, " has rows of ", t.ne[0], ", ",
+                  key("embedding_length"), " is ", width.value_or(0));
+    TRIATTN_CHECK(!n_tokens || static_cast<std::size_t>(t.ne[1]) == *n_tokens, api, path, ": tensor ", name, " has ",
+                  t.ne[1], " rows but tokenizer.ggml.tokens has ", n_tokens.value_or(0), " entries");
+  }
+  constexpr std::size_t max_template = std::size_t{1} << 20;
+  for (std::int64_t i = 0; i < gguf_get_n_kv(f.raw()); ++i) {
+    const std::string_view k = gguf_get_key(f.raw(), i);
+    if (!k.starts_with("tokenizer.chat_template") || gguf_get_kv_type(f.raw(), i) != GGUF_TYPE_STRING) continue;
+    const std::size_t bytes = std::strlen(gguf_get_val_str(f.raw(), i));
+    TRIATTN_CHECK(bytes <= max_template, api, path, ": ", k, " holds ", bytes, " bytes, more than a chat template's ",
+                  max_template);
+  }
+}
+
 /// ggml's CPU kernels for the rows of a block format: `to_float` decodes a row, `quantize_input`
 /// encodes an f32 input row in `input_type` (the format `vec_dot` takes beside the weights), and
 /// `vec_dot` is ggml's own dot product of a weight row with an input row, as its CPU product
@@ -315,16 +491,17 @@ struct context_deleter {
 using model_ptr = std::unique_ptr<llama_model, model_deleter>;
 using context_ptr = std::unique_ptr<llama_context, context_deleter>;
 
-/// Loads a model with llama.cpp on the CPU (only its vocabulary when `vocab_only`).
+/// Loads a model with llama.cpp on the CPU (only its vocabulary when `vocab_only`), once the
+/// file has passed `check_model_file`. Throws naming the file, with llama.cpp's reason.
 inline model_ptr load_model(const std::filesystem::path& path, bool vocab_only, const char* api) {
   init_backend();
-  std::error_code ec;
-  TRIATTN_CHECK(std::filesystem::is_regular_file(path, ec), api, path, ": no such file");
+  check_model_file(gguf_file(path));
   auto params = llama_model_default_params();
   params.vocab_only = vocab_only;
   params.n_gpu_layers = 0;
+  const captured_errors errors;
   model_ptr model(llama_model_load_from_file(path.string().c_str(), params));
-  TRIATTN_CHECK(model != nullptr, api, path, ": llama_model_load_from_file failed");
+  TRIATTN_CHECK(model != nullptr, api, path, ": llama.cpp cannot load it: ", errors.reason());
   return model;
 }
 

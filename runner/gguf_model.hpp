@@ -147,42 +147,59 @@ enum class matrix_storage : std::uint8_t {
   blocks,
 };
 
-/// Loads `path`. Every tensor's sizes are checked against the config, and its data against
-/// the file's length, before anything is allocated or read. With `storage` blocks (or
-/// automatic, for a large model), a matrix or the token embedding whose every layer is
-/// quantised in a type with ggml CPU kernels stays in its blocks; everything else is f32.
-/// Throws `triattn::error` naming the file and the tensor or key.
-inline triattn_runner::model load(const std::filesystem::path& path, matrix_storage storage = matrix_storage::automatic) {
-  const char* api = "gguf_model::load";
-  using triattn_runner::tensor;
-  const ggml_bridge::gguf_file f(path);
-  const triattn_runner::config c = read_config(f);
-  const triattn_runner::tensor_layout layout(c, false);
-  const bool keep_blocks = storage == matrix_storage::blocks ||
-                           (storage == matrix_storage::automatic && layout.floats() * sizeof(float) > 0x1p31);
-  std::error_code ec;
-  const std::uintmax_t file_bytes = std::filesystem::file_size(path, ec);
-  TRIATTN_CHECK(!ec, api, path, ": cannot stat the file: ", ec.message());
-  // Per tensor, its GGUF names (one per layer) in the runner's packing order.
-  std::vector<std::pair<tensor, std::vector<std::string>>> tensors;
+/// Per runner tensor of config `c`, its GGUF names (one per layer) in the runner's packing order.
+inline std::vector<std::pair<triattn_runner::tensor, std::vector<std::string>>> gguf_names(
+    const triattn_runner::config& c, const triattn_runner::tensor_layout& layout) {
+  std::vector<std::pair<triattn_runner::tensor, std::vector<std::string>>> out;
   for (std::size_t i = 0; i < triattn_runner::tensor_count; ++i) {
-    const auto t = static_cast<tensor>(i);
+    const auto t = static_cast<triattn_runner::tensor>(i);
     std::vector<std::string> names;
     for (int l = 0; l < static_cast<int>(layout.slices[i]); ++l) {
       std::string name = tensor_name(t, l, c.shared_classifier);
-      if (name.empty() || layout.per_slice[i] == 0) continue;
+      if (!name.empty() && layout.per_slice[i] != 0) names.push_back(std::move(name));
+    }
+    if (!names.empty()) out.emplace_back(t, std::move(names));
+  }
+  return out;
+}
+
+/// The runner's config of `f`, once the file has passed `ggml_bridge::check_model_file` and
+/// every tensor the runner reads has the sizes the config needs and lies inside the file.
+/// Reads no tensor data. Throws `triattn::error` naming the file and the tensor or key.
+inline triattn_runner::config check(const ggml_bridge::gguf_file& f) {
+  const char* api = "gguf_model::check";
+  ggml_bridge::check_model_file(f);
+  const triattn_runner::config c = read_config(f);
+  std::error_code ec;
+  const std::uintmax_t file_bytes = std::filesystem::file_size(f.path(), ec);
+  TRIATTN_CHECK(!ec, api, f.path(), ": cannot stat the file: ", ec.message());
+  for (const auto& [t, names] : gguf_names(c, triattn_runner::tensor_layout(c, false))) {
+    for (const std::string& name : names) {
       const ggml_bridge::tensor_desc info = f.tensor_info(name);
       const std::vector<std::int64_t> want = expected_ne(t, c);
-      TRIATTN_CHECK(info.ne == want, api, path, ": tensor ", name, " has sizes ", shape_text(info.ne),
+      TRIATTN_CHECK(info.ne == want, api, f.path(), ": tensor ", name, " has sizes ", shape_text(info.ne),
                     ", the config needs ", shape_text(want));
-      TRIATTN_CHECK(info.offset <= file_bytes && info.bytes <= file_bytes - info.offset, api, path, ": tensor ", name,
-                    " needs bytes [", info.offset, ", ", info.offset + info.bytes, ") of a ", file_bytes,
+      TRIATTN_CHECK(info.offset <= file_bytes && info.bytes <= file_bytes - info.offset, api, f.path(), ": tensor ",
+                    name, " needs bytes [", info.offset, ", ", info.offset + info.bytes, ") of a ", file_bytes,
                     "-byte file: truncated");
-      names.push_back(std::move(name));
     }
-    if (!names.empty()) tensors.emplace_back(t, std::move(names));
   }
-  // Every size is now bounded by a tensor that the file holds.
+  return c;
+}
+
+/// Loads `path`, once `check` has passed it (so every size is bounded by a tensor the file
+/// holds before anything is allocated or read). With `storage` blocks (or automatic, for a
+/// large model), a matrix or the token embedding whose every layer is quantised in a type with
+/// ggml CPU kernels stays in its blocks; everything else is f32. Throws `triattn::error` naming
+/// the file and the tensor or key.
+inline triattn_runner::model load(const std::filesystem::path& path, matrix_storage storage = matrix_storage::automatic) {
+  using triattn_runner::tensor;
+  const ggml_bridge::gguf_file f(path);
+  const triattn_runner::config c = check(f);
+  const triattn_runner::tensor_layout layout(c, false);
+  const bool keep_blocks = storage == matrix_storage::blocks ||
+                           (storage == matrix_storage::automatic && layout.floats() * sizeof(float) > 0x1p31);
+  const auto tensors = gguf_names(c, layout);
   const auto as_blocks = [&](tensor t, const std::vector<std::string>& names) {
     std::vector<triattn_runner::block_matrix> out;
     if (!keep_blocks || (t != tensor::token_embedding && expected_ne(t, c).size() != 2)) return out;

@@ -24,8 +24,10 @@
 
 namespace triattn_runner {
 
-/// Whether `path` starts with the GGUF magic.
+/// Whether `path` is a GGUF file: named *.gguf, or starting with the GGUF magic. The name
+/// counts so that a damaged GGUF is refused as a GGUF, not as a llama2.c checkpoint.
 inline bool is_gguf(const std::filesystem::path& path) {
+  if (path.extension() == ".gguf") return true;
   std::ifstream in(path, std::ios::binary);
   char magic[4] = {};
   return in.read(magic, 4) && std::string_view(magic, 4) == "GGUF";
@@ -69,7 +71,26 @@ class text_model {
     return t;
   }
 
-  const triattn_runner::model& model() const { return *model_; }
+  /// Loads only what `encode` and `decode` need: a GGUF file's vocabulary, once the file has
+  /// passed the checks `load` makes (its weights stay on disk; `load` converts them to f32); a
+  /// llama2.c tokenizer with its checkpoint (whose header holds the vocabulary size). `model()` and `non_ending_tokens()` need `load`.
+  static text_model load_tokenizer(const std::filesystem::path& model_path, const std::filesystem::path& tokenizer_path,
+                                   const char* api = "triattn_runner::text_model::load_tokenizer") {
+#if TRIATTN_WITH_GGUF
+    if (is_gguf(model_path)) {
+      gguf_model::check(ggml_bridge::gguf_file(model_path));  // the file as `load` would take it
+      text_model t;
+      t.vocab_.emplace(model_path);
+      return t;
+    }
+#endif
+    return load(model_path, tokenizer_path, api);
+  }
+
+  const triattn_runner::model& model() const {
+    TRIATTN_CHECK(model_ != nullptr, "triattn_runner::text_model::model", "loaded with load_tokenizer: no weights");
+    return *model_;
+  }
   bool gguf() const { return !tok_.has_value(); }
 
   /// The start token the tokenizer adds (llama2.c: BOS; GGUF: as its metadata says), then the
@@ -102,7 +123,7 @@ class text_model {
   /// end-of-text ids), so that a sampler given it writes on (vLLM's `ignore_eos`). A llama2.c
   /// model ends nothing: where it ends a story (BOS) the next one starts.
   std::vector<std::uint8_t> non_ending_tokens() const {
-    std::vector<std::uint8_t> ok(static_cast<std::size_t>(model_->config().vocab_size), 1);
+    std::vector<std::uint8_t> ok(static_cast<std::size_t>(model().config().vocab_size), 1);
 #if TRIATTN_WITH_GGUF
     if (vocab_)
       for (int id = 0; id < static_cast<int>(ok.size()); ++id) ok[static_cast<std::size_t>(id)] = vocab_->is_eog(id) ? 0 : 1;

@@ -150,9 +150,37 @@ TEST_CASE("a missing or truncated file is an error naming the path", "[llamacpp]
   REQUIRE_NOTHROW(f.emplace(cut));
   CHECK_THROWS_WITH(f->dequantize(last), Contains(cut.string()) && Contains(last) && Contains("truncated"));
   // The runner's loader sees the cut before it allocates or reads anything.
-  CHECK_THROWS_WITH(gguf_model::load(cut), Contains("gguf_model::load") && Contains("truncated"));
+  CHECK_THROWS_WITH(gguf_model::load(cut), Contains("gguf_model::check") && Contains("truncated"));
   f.reset();
   fs::remove(cut);
+}
+
+TEST_CASE("a file that is no GGUF, or a broken one, is refused in one line with ggml's reason", "[llamacpp]") {
+  std::vector<char> bytes;
+  {
+    std::ifstream in(model_path, std::ios::binary);
+    bytes.resize(std::size_t{1} << 16);
+    in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const fs::path file = fs::temp_directory_path() / "triattn-hostile-header.gguf";
+  const auto refusal = [&](std::size_t at, std::string_view patch) {
+    std::vector<char> b = bytes;
+    std::copy(patch.begin(), patch.end(), b.begin() + static_cast<std::ptrdiff_t>(at));
+    std::ofstream(file, std::ios::binary | std::ios::trunc).write(b.data(), static_cast<std::streamsize>(b.size()));
+    try {
+      ggml_bridge::gguf_file f(file);
+    } catch (const triattn::error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  const std::string magic = refusal(0, "GGUX");
+  CHECK_THAT(magic, Contains(file.string()) && Contains("not a GGUF file"));
+  // Version 99 (little-endian u32 after the magic): ggml logs why, the one message carries it.
+  const std::string version = refusal(4, std::string_view("\x63\0\0\0", 4));
+  CHECK_THAT(version, Contains(file.string()) && Contains("not a valid GGUF file") && Contains("version 99"));
+  CHECK(version.find('\n') == std::string::npos);
+  fs::remove(file);
 }
 
 TEST_CASE("vocab tokenizes, renders pieces and applies the chat template", "[llamacpp]") {
