@@ -4,15 +4,18 @@
 // the executable in a child process under a memory cap (RLIMIT_AS) and a time limit.
 //
 // A case fails when the child dies on a signal, runs past the time limit, exits with a status
-// other than 0 or 2, exits 2 without exactly one line on stderr, leaves an --out file after a
+// other than 0 or 2, exits 2 without exactly one line on stderr (progress lines aside), leaves an --out file after a
 // refusal, or replaces a special --out (a FIFO, a symbolic link). Seeds are valid inputs; a
 // case mutates one role's file (truncation, byte flips, header edits, zero and huge dims,
 // another dtype, NaN) and runs one command that reads it.
 //
-// Usage: triattn_fuzz_cli --cli PATH --model-dir DIR [--cases N=300] [--seed S=1]
-//                         [--memory-mb M=512] [--timeout-s T=10] [--keep]
-// M = 0: no memory cap (AddressSanitizer reserves terabytes of address space). Prints one line
-// per failure and a summary; exits 1 if any case failed.
+// Usage: triattn_fuzz_cli --cli PATH --model-dir DIR [--gguf FILE] [--roles LIST] [--cases N=300]
+//                         [--seed S=1] [--memory-mb M=512] [--timeout-s T=10] [--keep]
+// M = 0: no memory cap (AddressSanitizer reserves terabytes of address space). --gguf adds a
+// GGUF model role (a real model; `calibrate` reads it, under a cap of 4 x M, since a valid
+// mutant's weights are converted to f32); --roles keeps the roles named (keys, values,
+// attention, queries, positions, stats, model, tokenizer, text, gguf). Prints one line per
+// failure and a summary; exits 1 if any case failed.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -178,6 +181,18 @@ outcome run(const std::vector<std::string>& args, const fs::path& dir, std::size
   return r;
 }
 
+/// The lines of `err` but progress lines (which start with a carriage return: the CLI's
+/// progress bar redraws itself, and a refusal may come after the work it shows).
+std::ptrdiff_t refusal_lines(const std::string& err) {
+  std::ptrdiff_t n = 0;
+  for (std::size_t begin = 0; begin < err.size();) {
+    const std::size_t end = std::min(err.find('\n', begin), err.size());
+    if (err[begin] != '\r') ++n;
+    begin = end + 1;
+  }
+  return n;
+}
+
 std::string arg_value(int argc, char** argv, const std::string& name, const std::string& fallback) {
   for (int i = 1; i + 1 < argc; ++i)
     if (argv[i] == name) return argv[i + 1];
@@ -193,8 +208,12 @@ int main(int argc, char** argv) {
   const auto seed = std::stoull(arg_value(argc, argv, "--seed", "1"));
   const auto memory_mb = static_cast<std::size_t>(std::stoul(arg_value(argc, argv, "--memory-mb", "512")));
   const int timeout_s = std::stoi(arg_value(argc, argv, "--timeout-s", "10"));
+  const fs::path gguf_seed = arg_value(argc, argv, "--gguf", "");
+  const std::string role_names = arg_value(argc, argv, "--roles", "");
   if (cli.empty() || model_dir.empty()) {
-    std::fprintf(stderr, "usage: %s --cli PATH --model-dir DIR [--cases N] [--seed S] [--memory-mb M] [--timeout-s T]\n",
+    std::fprintf(stderr,
+                 "usage: %s --cli PATH --model-dir DIR [--gguf FILE] [--roles LIST] [--cases N] [--seed S] "
+                 "[--memory-mb M] [--timeout-s T]\n",
                  argv[0]);
     return 2;
   }
@@ -205,7 +224,7 @@ int main(int argc, char** argv) {
   // Valid seeds of every role.
   const fs::path keys = dir / "keys.npy", values = dir / "values.npy", attn = dir / "attn.npy",
                  queries = dir / "queries.npy", positions = dir / "positions.npy", stats_file = dir / "stats.safetensors",
-                 model = dir / "model.bin", tok = dir / "tok.bin", text = dir / "text.txt";
+                 model = dir / "model.bin", tok = dir / "tok.bin", text = dir / "text.txt", gguf = dir / "model.gguf";
   write_floats(keys, {layers, kv_heads, tokens, head_dim}, g);
   write_floats(values, {layers, kv_heads, tokens, head_dim}, g);
   write_floats(attn, {layers, q_heads, rows, tokens}, g, true);
@@ -219,6 +238,7 @@ int main(int argc, char** argv) {
   triattn::save_stats(stats_file, stats(g));
   fs::copy_file(model_dir / "stories260K.bin", model, fs::copy_options::overwrite_existing);
   fs::copy_file(model_dir / "tok512.bin", tok, fs::copy_options::overwrite_existing);
+  if (!gguf_seed.empty()) fs::copy_file(gguf_seed, gguf, fs::copy_options::overwrite_existing);
   {
     std::string t;
     for (int i = 0; i < 40; ++i) t += "Once upon a time there was a little cat who liked to play. ";
@@ -252,7 +272,21 @@ int main(int argc, char** argv) {
     c.args.insert(c.args.end(), {"--out", o});
     commands.push_back(std::move(c));
   }
-  const std::vector<fs::path> roles = {keys, values, attn, queries, positions, stats_file, model, tok, text};
+  if (!gguf_seed.empty())
+    commands.push_back({{"calibrate", "--model", gguf.string(), "--text", text.string(), "--out", out_st.string(),
+                         "--windows", "1", "--window-tokens", "32"}});
+  const std::pair<const char*, fs::path> named_roles[] = {
+      {"keys", keys},   {"values", values}, {"attention", attn}, {"queries", queries}, {"positions", positions},
+      {"stats", stats_file}, {"model", model}, {"tokenizer", tok}, {"text", text},     {"gguf", gguf}};
+  std::vector<fs::path> roles;
+  for (const auto& [name, path] : named_roles) {
+    const bool named = role_names.empty() || ("," + role_names + ",").find("," + std::string(name) + ",") != std::string::npos;
+    if (named && (path != gguf || !gguf_seed.empty())) roles.push_back(path);
+  }
+  if (roles.empty()) {
+    std::fprintf(stderr, "%s: --roles %s names no role this run has\n", argv[0], role_names.c_str());
+    return 2;
+  }
 
   // Special outputs: a FIFO and a symbolic link must stay what they are.
   const fs::path fifo = dir / "out.fifo", link = dir / "link.npy", target = dir / "target.txt";
@@ -270,11 +304,20 @@ int main(int argc, char** argv) {
   for (int c = 0; c < cases; ++c) {
     const fs::path& role = roles[std::uniform_int_distribution<std::size_t>(0, roles.size() - 1)(g)];
     const std::vector<char> original = read_bytes(role);
-    write_bytes(role, mutate(original, g));
+    if (role == gguf) {
+      // A model's metadata (tokenizer included) is its first megabytes; flips in the weights
+      // make a valid model. So the metadata is mutated and the rest follows it as it was.
+      const std::size_t head = std::min<std::size_t>(original.size(), std::size_t{2} << 20);
+      std::vector<char> b = mutate({original.begin(), original.begin() + static_cast<std::ptrdiff_t>(head)}, g);
+      if (!b.empty()) b.insert(b.end(), original.begin() + static_cast<std::ptrdiff_t>(head), original.end());
+      write_bytes(role, b);
+    } else {
+      write_bytes(role, mutate(original, g));
+    }
     for (const command& cmd : commands) {
-      bool reads = cmd.args.front() == "calibrate" ? (role == model || role == tok || role == text)
-                                                   : std::find(cmd.args.begin(), cmd.args.end(), role.string()) !=
-                                                         cmd.args.end();
+      // calibrate reads its text too; every command reads the files it names
+      const bool reads = std::find(cmd.args.begin(), cmd.args.end(), role.string()) != cmd.args.end() ||
+                         (cmd.args.front() == "calibrate" && role == text);
       if (!reads) continue;
       std::vector<std::string> args = {cli};
       args.insert(args.end(), cmd.args.begin(), cmd.args.end());
@@ -284,11 +327,12 @@ int main(int argc, char** argv) {
       if (out_at != args.end() && special < 2) *(out_at + 1) = (special == 0 ? fifo : link).string();
       fs::remove(out);
       fs::remove(out_st);
-      const outcome r = run(args, dir, memory_mb, timeout_s);
+      const bool reads_gguf = std::find(args.begin(), args.end(), gguf.string()) != args.end();
+      const outcome r = run(args, dir, reads_gguf ? 4 * memory_mb : memory_mb, timeout_s);
       if (r.timed_out) fail("ran past " + std::to_string(timeout_s) + " s", args);
       else if (r.signaled) fail("died on a signal", args);
       else if (r.code != 0 && r.code != 2) fail("exit status " + std::to_string(r.code) + ": " + r.err, args);
-      else if (r.code == 2 && std::count(r.err.begin(), r.err.end(), '\n') != 1) fail("not one line: " + r.err, args);
+      else if (r.code == 2 && refusal_lines(r.err) != 1) fail("not one line: " + r.err, args);
       else if (r.code == 2 && (fs::exists(out) || fs::exists(out_st))) fail("an output after a refusal", args);
       (r.code == 0 ? accepted : refused) += 1;
       if (!fs::is_fifo(fs::symlink_status(fifo)) || !fs::is_symlink(fs::symlink_status(link)))
