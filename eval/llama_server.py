@@ -56,16 +56,18 @@ class running_server:
         deadline = time.time() + self.start_s
         while True:
             if self.proc.poll() is not None:
+                tail = self.log_tail()  # before __exit__ closes the log
                 self.__exit__(None, None, None)
-                raise server_error(f"the server exited with {self.proc.returncode} before serving:\n{self.log_tail()}")
+                raise server_error(f"the server exited with {self.proc.returncode} before serving:\n{tail}")
             try:
                 if request(self.port, "/health", timeout=5)[0] == 200:
                     return self.port
             except (urllib.error.URLError, ConnectionError, socket.timeout):
                 pass
             if time.time() > deadline:
+                tail = self.log_tail()
                 self.__exit__(None, None, None)
-                raise server_error(f"the server was not healthy after {self.start_s} s:\n{self.log_tail()}")
+                raise server_error(f"the server was not healthy after {self.start_s} s:\n{tail}")
             time.sleep(0.5)
 
     def __exit__(self, *exc):
