@@ -8,7 +8,8 @@ Per data set, only the problems present in every cell (policy, budget) count, so
 has the same problems. Per cell: accuracy ± SE; the paired difference against the full cache
 and against the best policy of its budget (per problem, then mean ± SE); the fraction of
 problems whose answer ran a round (the cache outgrew budget + slack: compression happened) and
-accuracy over those alone, beside the full cache's on the same problems; unfinished answers
+accuracy over those alone, beside the full cache's on the same problems; the paired difference
+against TriAttention at the same budget (the library's centre); unfinished answers
 (they hit the length cap and count as wrong). SE is the standard error of a mean, sd (n - 1
 denominator) / sqrt(n), the formula of eval/eval_common.hpp, for every figure.
 
@@ -67,9 +68,9 @@ def table(name, cells, headline):
         best[b] = max(at, key=lambda k: (sum(correct[k]), -ORDER.index(k[0]) if k[0] in ORDER else -99))
     f_m, f_se = mean_se(correct[("full", 0)])
     lines = [f"### {name}: {len(ids)} problems in every cell (headline budget {headline})", "",
-             "| policy | budget | accuracy % | − full (paired) | − best at budget (paired) | compressed | accuracy "
-             "where compressed | full there | unfinished |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| policy | budget | accuracy % | − full (paired) | − best at budget (paired) | − TriAttention (paired) "
+             "| compressed | accuracy where compressed | full there | unfinished |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     plot = []
     order = sorted(cells, key=lambda k: (k[1] != 0, k[1], ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k[0]))
     for k in order:
@@ -78,7 +79,7 @@ def table(name, cells, headline):
         plot.append((name, policy, b, m, se))
         unfinished = sum(1 for i in ids if cells[k][i]["finished"] == "0")
         if policy == "full":
-            lines.append(f"| full | — | {pct(m, se)} | — | — | — | — | — | {unfinished} |")
+            lines.append(f"| full | — | {pct(m, se)} | — | — | — | — | — | — | {unfinished} |")
             continue
         dm, dse = mean_se([a - f for a, f in zip(correct[k], correct[("full", 0)])])
         bk = best[b]
@@ -87,6 +88,12 @@ def table(name, cells, headline):
         else:
             bm, bse = mean_se([a - c for a, c in zip(correct[k], correct[bk])])
             vs_best = f"{100 * bm:+.1f} ± {100 * bse:.1f} ({bk[0]})"
+        tri = ("triattention", b)
+        if tri in cells and tri != k:
+            tm, tse = mean_se([a - t for a, t in zip(correct[k], correct[tri])])
+            vs_tri = f"{100 * tm:+.1f} ± {100 * tse:.1f}"
+        else:
+            vs_tri = "—"
         hit = [n for n, i in enumerate(ids) if int(cells[k][i]["rounds"]) > 0]
         if hit:
             cm, cse = mean_se([correct[k][n] for n in hit])
@@ -94,7 +101,7 @@ def table(name, cells, headline):
             there = f"{pct(cm, cse)} | {pct(fm, fse)}"
         else:
             there = "— | —"
-        lines.append(f"| {policy} | {b} | {pct(m, se)} | {100 * dm:+.1f} ± {100 * dse:.1f} | {vs_best} | "
+        lines.append(f"| {policy} | {b} | {pct(m, se)} | {100 * dm:+.1f} ± {100 * dse:.1f} | {vs_best} | {vs_tri} | "
                      f"{100 * len(hit) / len(ids):.0f} % | {there} | {unfinished} |")
     full_tokens = [int(full[i]["peak_cells"]) + 1 for i in ids]
     med = sorted(full_tokens)[len(full_tokens) // 2]
