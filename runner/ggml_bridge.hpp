@@ -418,6 +418,17 @@ inline void check_model_file(const gguf_file& f) {
   positive_float(key("attention.layer_norm_rms_epsilon"), 1.0);
   positive_float(key("attention.layer_norm_epsilon"), 1.0);
   positive_float(key("rope.freq_base"), std::numeric_limits<double>::infinity());
+  // llama.cpp asserts on these (LLAMA_MAX_EXPERTS, a scaling type it does not name)
+  const auto experts = size_key("expert_count", 0, 1024);
+  if (const auto used = size_key("expert_used_count", 0, 1024))
+    TRIATTN_CHECK(*used <= experts.value_or(0), api, path, ": ", key("expert_used_count"), " = ", *used, " exceeds ",
+                  key("expert_count"), " = ", experts.value_or(0));
+  if (f.has(key("rope.scaling.type"))) {
+    const std::string type = f.get_string(key("rope.scaling.type"));
+    TRIATTN_CHECK(type == "none" || type == "linear" || type == "yarn" || type == "longrope", api, path, ": ",
+                  key("rope.scaling.type"), " is \"", type, "\"; llama.cpp knows none, linear, yarn and longrope");
+  }
+  positive_float(key("rope.scaling.factor"), std::numeric_limits<double>::infinity());
 
   std::optional<std::size_t> n_tokens;
   if (f.has("tokenizer.ggml.tokens")) {
@@ -430,6 +441,34 @@ inline void check_model_file(const gguf_file& f) {
     if (const auto v = size_key("vocab_size", 0, std::numeric_limits<std::int64_t>::max()))
       TRIATTN_CHECK(static_cast<std::size_t>(*v) == tokens.size(), api, path, ": ", key("vocab_size"), " = ", *v,
                     " but tokenizer.ggml.tokens has ", tokens.size(), " entries");
+    // What llama.cpp's vocabulary loader takes: a model it knows, with the arrays that model
+    // reads (it aborts, or throws while tokenising, where they are missing), token types it
+    // names, and special-token ids inside the vocabulary.
+    const std::string model = f.has("tokenizer.ggml.model") ? f.get_string("tokenizer.ggml.model") : "llama";
+    constexpr std::array<std::string_view, 9> models{"llama", "bert", "gpt2", "hybriddna", "whitespace",
+                                                     "t5",    "rwkv", "plamo2", "gemma4"};
+    TRIATTN_CHECK(std::find(models.begin(), models.end(), model) != models.end(), api, path,
+                  ": tokenizer.ggml.model is \"", model, "\", not a tokenizer llama.cpp can run");
+    TRIATTN_CHECK(model != "llama" || f.has("tokenizer.ggml.scores"), api, path,
+                  ": tokenizer.ggml.model llama needs tokenizer.ggml.scores");
+    TRIATTN_CHECK(model != "gpt2" || f.has("tokenizer.ggml.merges"), api, path,
+                  ": tokenizer.ggml.model gpt2 needs tokenizer.ggml.merges");
+    if (f.has("tokenizer.ggml.token_type")) {
+      const auto id = gguf_find_key(f.raw(), "tokenizer.ggml.token_type");
+      TRIATTN_CHECK(gguf_get_arr_type(f.raw(), id) == GGUF_TYPE_INT32, api, path,
+                    ": tokenizer.ggml.token_type is not an array of int32");
+      const auto* types = static_cast<const std::int32_t*>(gguf_get_arr_data(f.raw(), id));
+      for (std::size_t i = 0; i < f.array_size("tokenizer.ggml.token_type"); ++i)
+        TRIATTN_CHECK(types[i] >= 0 && types[i] <= 6, api, path, ": tokenizer.ggml.token_type[", i, "] = ", types[i],
+                      " is not a token type (0 to 6)");
+    }
+    for (std::int64_t i = 0; i < gguf_get_n_kv(f.raw()); ++i) {
+      const std::string k = gguf_get_key(f.raw(), i);
+      if (!k.starts_with("tokenizer.ggml.") || !k.ends_with("_token_id")) continue;
+      const std::int64_t v = f.get_int(k);
+      TRIATTN_CHECK(v >= 0 && static_cast<std::size_t>(v) < tokens.size(), api, path, ": ", k, " = ", v,
+                    " is outside the vocabulary's ", tokens.size(), " tokens");
+    }
     std::unordered_map<std::string_view, std::size_t> first_at;
     first_at.reserve(tokens.size());
     for (std::size_t i = 0; i < tokens.size(); ++i) {
@@ -514,6 +553,13 @@ class vocab {
   explicit vocab(const std::filesystem::path& path)
       : model_(detail::load_model(path, true, "ggml_bridge::vocab")), vocab_(llama_model_get_vocab(model_.get())) {
     TRIATTN_CHECK(vocab_ != nullptr, "ggml_bridge::vocab", path, ": llama_model_get_vocab returned null");
+    // llama.cpp loads some broken vocabularies and throws only when it tokenises with them (an
+    // `std::out_of_range` that names nothing): once here, so the refusal names the file.
+    try {
+      (void)tokenize("Hello, world!\n 12 <|im_start|>", true, true);
+    } catch (const std::exception& e) {
+      triattn::detail::fail("ggml_bridge::vocab", path, ": llama.cpp cannot tokenise with its vocabulary: ", e.what());
+    }
   }
 
   /// Token ids of `text`. `add_special` adds the model's start/end tokens if its metadata

@@ -58,8 +58,10 @@ class text_model {
     text_model t;
     if (is_gguf(model_path)) {
 #if TRIATTN_WITH_GGUF
-      t.model_ = std::make_unique<triattn_runner::model>(gguf_model::load(model_path));
+      // The vocabulary first: a file refused for its tokenizer is refused before its weights
+      // are converted to f32 (about 1 GB for SmolLM2).
       t.vocab_.emplace(model_path);
+      t.model_ = std::make_unique<triattn_runner::model>(gguf_model::load(model_path));
 #else
       triattn::detail::fail(api, model_path, ": a GGUF model needs a build with llama.cpp (cmake -DTRIATTN_WITH_LLAMA_CPP=ON)");
 #endif

@@ -684,8 +684,8 @@ int calibrate(const options& o) {
   const int context = model.model().config().seq_len;
   const std::int64_t window = o.integer("--window-tokens", 1, std::min(context, 512), INT32_MAX);
   if (window > context)
-    throw triattn::error("--window-tokens " + std::to_string(window) + " is longer than the model's context of " +
-                         std::to_string(context) + " tokens");
+    throw triattn::error("--window-tokens " + std::to_string(window) + " is longer than the context of " +
+                         model_path.string() + ", " + std::to_string(context) + " tokens");
   const std::string text = triattn_runner::read_file(text_path, "triattn calibrate");
   const auto windows = triattn_runner::text_windows([&](std::string_view p) { return model.encode_paragraph(p); }, text,
                                              static_cast<int>(window), static_cast<int>(max_windows));

@@ -225,6 +225,16 @@ MUTANTS = [
     ("tokens_empty", "tokenizer arrays empty", None),
     ("tokens_plus_8", "tokenizer arrays 8 longer than the embedding's rows", tokens_resized(8)),
     ("tokens_duplicate", "two tokens with the same text", tokens_duplicated),
+    ("tokenizer_none", "tokenizer.ggml.model none (llama.cpp aborts when it tokenises)",
+     with_kv("tokenizer.ggml.model", STRING, b"none")),
+    ("tokenizer_llama_on_bpe", "tokenizer.ggml.model llama on a BPE vocabulary (no scores)",
+     with_kv("tokenizer.ggml.model", STRING, b"llama")),
+    ("token_type_99", "token types outside llama.cpp's", None),
+    ("bos_id_huge", "tokenizer.ggml.bos_token_id 10^9", with_kv("tokenizer.ggml.bos_token_id", U32, 10**9)),
+    ("expert_count_huge", "expert_count and expert_used_count 2^31 (llama.cpp asserts)",
+     None),
+    ("expert_used_above_count", "expert_used_count 8 of 4 experts", None),
+    ("rope_scaling_unknown", "rope.scaling.type zzz (llama.cpp asserts)", with_kv(".rope.scaling.type", STRING, b"zzz")),
     ("chat_template_16mb", "a 16 MB chat template", with_kv("tokenizer.chat_template", STRING, b"{{ x }}" * (16 << 17))),
     ("embd_swapped", "token_embd.weight with its two dimensions swapped",
      tensor_changed("token_embd.weight", dims=lambda d: d[::-1])),
@@ -262,7 +272,26 @@ def fill_dependent(g):
     blocks = max(int(t[0].split(".")[1]) for t in g.tensors if t[0].startswith("blk.")) + 1
     width = g.tensor("token_embd.weight")[1][0]
     n_tokens = len(g.kv["tokenizer.ggml.tokens"][1][1])
+    def experts(count, used):
+        def make(g):
+            m = copy.copy(g)
+            m.kv = dict(g.kv)
+            m.kv[g.arch() + ".expert_count"] = [U32, count]
+            m.kv[g.arch() + ".expert_used_count"] = [U32, used]
+            return m.write()
+        return make
+
+    def token_types(g):
+        m = copy.copy(g)
+        m.kv = dict(g.kv)
+        et, items = g.kv["tokenizer.ggml.token_type"][1]
+        m.kv["tokenizer.ggml.token_type"] = [ARRAY, (et, [99] * 100 + items[100:])]
+        return m.write()
+
     makers = {
+        "token_type_99": token_types,
+        "expert_count_huge": experts(1 << 31, 1 << 31),
+        "expert_used_above_count": experts(4, 8),
         "block_count_minus_1": with_kv(".block_count", U32, blocks - 1),
         "block_count_plus_1": with_kv(".block_count", U32, blocks + 1),
         "embedding_length_577": with_kv(".embedding_length", U32, width + 1),
