@@ -106,15 +106,20 @@ def pack_value(t, v):
     return struct.pack(SCALAR[t], v)
 
 
-def with_kv(key, t, v):
-    """The model with metadata `key` (the architecture's own when it starts with '.') set to
-    value `v` of type `t`."""
+def with_kvs(values):
+    """The model with each metadata key of `values` ({key: (type, value)}; a key starting with
+    '.' is the architecture's own) set."""
     def make(g):
         m = copy.copy(g)
         m.kv = dict(g.kv)
-        m.kv[g.arch() + key if key.startswith(".") else key] = [t, v]
+        for key, (t, v) in values.items():
+            m.kv[g.arch() + key if key.startswith(".") else key] = [t, v]
         return m.write()
     return make
+
+
+def with_kv(key, t, v):
+    return with_kvs({key: (t, v)})
 
 
 def tokens_resized(delta):
@@ -272,15 +277,6 @@ def fill_dependent(g):
     blocks = max(int(t[0].split(".")[1]) for t in g.tensors if t[0].startswith("blk.")) + 1
     width = g.tensor("token_embd.weight")[1][0]
     n_tokens = len(g.kv["tokenizer.ggml.tokens"][1][1])
-    def experts(count, used):
-        def make(g):
-            m = copy.copy(g)
-            m.kv = dict(g.kv)
-            m.kv[g.arch() + ".expert_count"] = [U32, count]
-            m.kv[g.arch() + ".expert_used_count"] = [U32, used]
-            return m.write()
-        return make
-
     def token_types(g):
         m = copy.copy(g)
         m.kv = dict(g.kv)
@@ -290,8 +286,8 @@ def fill_dependent(g):
 
     makers = {
         "token_type_99": token_types,
-        "expert_count_huge": experts(1 << 31, 1 << 31),
-        "expert_used_above_count": experts(4, 8),
+        "expert_count_huge": with_kvs({".expert_count": (U32, 1 << 31), ".expert_used_count": (U32, 1 << 31)}),
+        "expert_used_above_count": with_kvs({".expert_count": (U32, 4), ".expert_used_count": (U32, 8)}),
         "block_count_minus_1": with_kv(".block_count", U32, blocks - 1),
         "block_count_plus_1": with_kv(".block_count", U32, blocks + 1),
         "embedding_length_577": with_kv(".embedding_length", U32, width + 1),
