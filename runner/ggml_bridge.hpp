@@ -462,6 +462,16 @@ inline void check_model_file(const gguf_file& f) {
         TRIATTN_CHECK(types[i] >= 0 && types[i] <= 6, api, path, ": tokenizer.ggml.token_type[", i, "] = ", types[i],
                       " is not a token type (0 to 6)");
     }
+    if (f.has("tokenizer.ggml.eos_token_ids")) {  // the end tokens of a model with several
+      const auto id = gguf_find_key(f.raw(), "tokenizer.ggml.eos_token_ids");
+      const gguf_type t = gguf_get_arr_type(f.raw(), id);
+      TRIATTN_CHECK(t == GGUF_TYPE_INT32 || t == GGUF_TYPE_UINT32, api, path,
+                    ": tokenizer.ggml.eos_token_ids is not an array of 32-bit integers");
+      const auto* ids = static_cast<const std::uint32_t*>(gguf_get_arr_data(f.raw(), id));
+      for (std::size_t i = 0; i < f.array_size("tokenizer.ggml.eos_token_ids"); ++i)
+        TRIATTN_CHECK(ids[i] < tokens.size(), api, path, ": tokenizer.ggml.eos_token_ids[", i, "] = ",
+                      static_cast<std::int32_t>(ids[i]), " is outside the vocabulary's ", tokens.size(), " tokens");
+    }
     for (std::int64_t i = 0; i < gguf_get_n_kv(f.raw()); ++i) {
       const std::string k = gguf_get_key(f.raw(), i);
       if (!k.starts_with("tokenizer.ggml.") || !k.ends_with("_token_id")) continue;

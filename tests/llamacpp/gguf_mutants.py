@@ -236,6 +236,8 @@ MUTANTS = [
      with_kv("tokenizer.ggml.model", STRING, b"llama")),
     ("token_type_99", "token types outside llama.cpp's", None),
     ("bos_id_huge", "tokenizer.ggml.bos_token_id 10^9", with_kv("tokenizer.ggml.bos_token_id", U32, 10**9)),
+    ("eos_ids_outside", "tokenizer.ggml.eos_token_ids holding ids outside the vocabulary",
+     with_kv("tokenizer.ggml.eos_token_ids", ARRAY, (U32, [2, 10**9]))),
     ("expert_count_huge", "expert_count and expert_used_count 2^31 (llama.cpp asserts)",
      None),
     ("expert_used_above_count", "expert_used_count 8 of 4 experts", None),

@@ -31,7 +31,7 @@ EXPECT = {
     "tokens_empty": "tokenizer.ggml.tokens", "tokens_duplicate": "same text", "chat_template_16mb": "chat_template", "embd_swapped": "token_embd.weight",
     "ffn_gate_swapped": "blk.0.ffn_gate.weight", "attn_k_swapped": "blk.0.attn_k.weight",
     "truncated_last_byte": "truncated", "tokenizer_none": "tokenizer.ggml.model", "tokenizer_llama_on_bpe": "scores",
-    "token_type_99": "token_type", "bos_id_huge": "bos_token_id", "expert_count_huge": "expert_count",
+    "token_type_99": "token_type", "bos_id_huge": "bos_token_id", "eos_ids_outside": "eos_token_ids", "expert_count_huge": "expert_count",
     "expert_used_above_count": "expert_used_count", "rope_scaling_unknown": "rope.scaling.type",
 }
 
