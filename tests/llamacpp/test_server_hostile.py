@@ -101,6 +101,10 @@ def malformed_requests(port):
             check(f"--kv-max-positions {MAX_POSITIONS}" in text, f"{name}: the error names the limit")
         check(raw(port, "GET", "/health")[0] == 200, f"the server still serves after {name}")
     check(llama_server.request(port, "/slots/0?action=erase", {})[0] == 200, "erasing a held slot is allowed")
+    # Valid values at the edges stay valid: seed -1 (random) and 2^32 - 1 of an unsigned field.
+    for seed in (-1, 2**32 - 1):
+        status, _ = llama_server.request(port, "/completion", {"prompt": "hi", "n_predict": 2, "seed": seed})
+        check(status == 200, f"seed {seed} is served: HTTP {status}")
 
 
 def bounded_answers(port):
