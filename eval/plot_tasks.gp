@@ -28,8 +28,9 @@ set style fill transparent solid 0.15 noborder
 do for [d = 1:words(datasets)] {
   ds = word(datasets, d)
   budgets = system(sprintf("awk '$1 == \"%s\" && $3 > 0 {print $3}' '%s' | sort -n | sed -n '1p;$p' | tr '\\n' ' '", ds, dat))
-  lo = word(budgets, 1) / 2.0
-  hi = word(budgets, words(budgets)) * 2.0
+  # A set whose policies have no row yet (its full cell alone) gets a default span.
+  lo = words(budgets) > 0 ? word(budgets, 1) / 2.0 : 64
+  hi = words(budgets) > 0 ? word(budgets, words(budgets)) * 2.0 : 1024
   set xrange [lo:hi]
   full = field(ds, "full", 4) + 0
   full_se = field(ds, "full", 5) + 0
